@@ -186,7 +186,7 @@ class Backbone(nn.Module):
         attention_mask: None (causal) or a 4-D float mask (batch, 1, n, past + n)
         with 0 where attention is allowed and dtype-min elsewhere.
         """
-        out = self.model.model(input_ids=input_ids, past_key_values=cache,
+        out = self.model.model(input_ids=input_ids, cache=cache,
                                position_ids=position_ids, attention_mask=attention_mask,
                                use_cache=cache is not None)
         hidden = out.last_hidden_state

@@ -1,0 +1,113 @@
+"""What every draft-head family shares: K heads on a frozen backbone, stepped along a path.
+
+A head family implements two views of the same computation:
+
+* ``step(k, state, token)``: drafting. Given the state after depth k-1 and the token at
+  depth k-1 (depth 0 is the backbone's root token), return head k's logits for the
+  token at depth k and the new state. Batched over tree nodes.
+* ``train_logits(hidden, ids)``: training. Teacher-forced over whole sequences.
+
+Indexing (both views): ids x_0..x_{T-1}; ``hidden[:, t]`` is the backbone state after
+x_t, whose LM head predicts x_{t+1}. Head k at position t sees h_t and x_{t+1}..x_{t+k}
+and predicts x_{t+1+k}. Example, T=6, k=2: positions t=0..2 are trainable, and t=0
+predicts x_3 from (h_0, x_1, x_2).
+
+The backbone's embedding and LM head are shared and frozen; they are bound with
+``bind(backbone)`` and never saved with the heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class HeadConfig:
+    """Shape and identity of a set of heads; saved as config.json next to the weights."""
+
+    kind: str  # "medusa" | "hydra" | "mtp"
+    num_heads: int  # K: how many tokens after the backbone's own are drafted
+    hidden_size: int  # backbone d_model
+    vocab_size: int  # backbone vocabulary
+    backbone: str  # backbone name the heads were trained for (checked on load)
+    mlp_ratio: float = 2.0  # mtp block MLP width / d_model
+    rms_eps: float = 1e-5  # RMSNorm epsilon (mtp)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W zero-initialised so a fresh block is the identity (Medusa)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class DraftHeads(nn.Module):
+    """Base class: binding to the backbone, logits through the shared LM head."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        self._shared: tuple[nn.Embedding, nn.Linear] | None = None  # not a submodule: never saved
+
+    @property
+    def K(self) -> int:
+        return self.cfg.num_heads
+
+    def bind(self, backbone) -> "DraftHeads":
+        """Attach the frozen embedding and LM head of ``backbone``; move to its device."""
+        self._shared = (backbone.embed, backbone.lm_head)
+        return self.to(backbone.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self._shared is not None, "call bind(backbone) first"
+        return self._shared[0](ids).to(self._param_dtype())
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> float32 logits (..., vocab) through the frozen LM head."""
+        assert self._shared is not None, "call bind(backbone) first"
+        head = self._shared[1]
+        return head(x.to(head.weight.dtype)).float()
+
+    def _param_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def init_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """State before depth 0 from the backbone hidden state (B, d)."""
+        return hidden.to(self._param_dtype())
+
+    def step(self, k: int, state: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head k (1..K): state (B, ...) and the token at depth k-1 (B,) ->
+        (logits for depth k (B, vocab), state after depth k-1)."""
+        feats, new_state = self.step_features(k, state, token)
+        return self.lm_logits(feats), new_state
+
+    def step_features(self, k: int, state, token):
+        raise NotImplementedError
+
+    def train_features(self, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced features before the LM head: list over k=1..K of (B, T-1-k, d)."""
+        raise NotImplementedError
+
+    def train_logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced logits: list over k=1..K of (B, T-1-k, vocab); targets ids[:, k+1:]."""
+        return [self.lm_logits(f) for f in self.train_features(hidden, ids)]
+
+    def randomize_(self, generator: torch.Generator | None = None, scale: float = 1.0) -> "DraftHeads":
+        """Re-initialise every weight randomly (for ``--heads random``: drafts that rarely match)."""
+        with torch.no_grad():
+            for p in self.parameters():
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=generator) * scale / fan_in ** 0.5)
+        return self

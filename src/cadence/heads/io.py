@@ -1,0 +1,80 @@
+"""Create, save and load heads: ``heads.safetensors`` + ``config.json`` in one directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cadence.atomic import atomic_write, atomic_write_json
+from cadence.errors import CadenceError
+from cadence.heads.base import DraftHeads, HeadConfig
+
+KINDS = ("medusa", "hydra", "mtp")
+
+
+def head_class(kind: str) -> type[DraftHeads]:
+    from cadence.heads.hydra import HydraHeads
+    from cadence.heads.medusa import MedusaHeads
+    from cadence.heads.mtp import MTPHeads
+
+    table = {"medusa": MedusaHeads, "hydra": HydraHeads, "mtp": MTPHeads}
+    if kind not in table:
+        raise CadenceError(f"unknown head type {kind!r}; choose one of {', '.join(KINDS)}")
+    return table[kind]
+
+
+def new_heads(kind: str, backbone, num_heads: int = 3, random: bool = False, seed: int = 0,
+              **extra) -> DraftHeads:
+    """Fresh heads for ``backbone``; ``random=True`` gives random weights (drafts rarely accepted)."""
+    if num_heads < 1:
+        raise CadenceError("need at least one head")
+    cfg = HeadConfig(kind=kind, num_heads=num_heads, hidden_size=backbone.hidden_size,
+                     vocab_size=backbone.vocab_size, backbone=backbone.name, **extra)
+    heads = head_class(kind)(cfg)
+    if random:
+        heads.randomize_(torch.Generator().manual_seed(seed))
+    return heads.bind(backbone)
+
+
+def save_heads(heads: DraftHeads, directory: str | Path, dtype: torch.dtype | None = None,
+               extra_config: dict | None = None) -> Path:
+    """Write heads.safetensors and config.json atomically; optionally cast (e.g. bf16)."""
+    directory = Path(directory)
+    state = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
+             for k, v in heads.state_dict().items()}
+    atomic_write(directory / "heads.safetensors", lambda tmp: save_file(state, str(tmp)))
+    atomic_write_json(directory / "config.json", {**heads.cfg.to_dict(), **(extra_config or {})})
+    return directory
+
+
+def load_heads(directory: str | Path, backbone, dtype: torch.dtype | None = None) -> DraftHeads:
+    """Load heads saved by ``save_heads`` and bind them to ``backbone`` (checked to match)."""
+    directory = Path(directory)
+    cfg_path, w_path = directory / "config.json", directory / "heads.safetensors"
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise CadenceError(f"{directory} is not a heads directory (needs config.json and heads.safetensors)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+        fields = {k: raw[k] for k in HeadConfig.__dataclass_fields__ if k in raw}
+        cfg = HeadConfig(**fields)
+    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise CadenceError(f"{cfg_path} is malformed: {exc}") from exc
+    if (cfg.hidden_size, cfg.vocab_size) != (backbone.hidden_size, backbone.vocab_size):
+        raise CadenceError(
+            f"heads in {directory} were made for {cfg.backbone} (hidden {cfg.hidden_size}, vocab "
+            f"{cfg.vocab_size}); this backbone {backbone.name} has hidden {backbone.hidden_size}, "
+            f"vocab {backbone.vocab_size}")
+    if cfg.backbone != backbone.name:
+        raise CadenceError(f"heads in {directory} were trained for {cfg.backbone!r}, not {backbone.name!r}")
+    heads = head_class(cfg.kind)(cfg)
+    try:
+        state = load_file(str(w_path))
+        heads.load_state_dict({k: v.float() for k, v in state.items()})
+    except Exception as exc:
+        raise CadenceError(f"{w_path} is corrupt or does not match its config: {exc}") from exc
+    if dtype is not None:
+        heads = heads.to(dtype)
+    return heads.bind(backbone).eval()
