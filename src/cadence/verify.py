@@ -115,13 +115,16 @@ def typical(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx:
         path.append(node)
 
 
-class Rule(Enum):
+class Rule(str, Enum):
     """Verification rules selectable by name (CLI ``--verify``)."""
 
     AUTO = "auto"  # greedy at T=0, speculative sampling otherwise (both lossless)
     GREEDY = "greedy"
     SPECULATIVE = "speculative"
     TYPICAL = "typical"
+
+    def __str__(self) -> str:
+        return self.value
 
     @property
     def lossless(self) -> bool:

@@ -1,0 +1,72 @@
+"""Derive argparse flags from a dataclass config: one flag per field, help = the field's comment.
+
+Example: ``max_new_tokens: int = 256  # hard cap on generated tokens`` becomes
+``--max-new-tokens INT (default 256): hard cap on generated tokens``.
+Enums become choices; ``list[str]``/``tuple[str, ...]`` take several values; bools get
+``--x/--no-x``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import inspect
+import io
+import tokenize
+import typing
+
+
+def field_comments(cls) -> dict[str, str]:
+    """Map each field name to the trailing ``# comment`` on its line in the class source."""
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    comments, current = {}, None
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.NAME and tok.start[1] == 4 and current is None:
+            current = tok.string
+        elif tok.type == tokenize.COMMENT and current:
+            comments[current] = tok.string.lstrip("# ").strip()
+        if tok.type == tokenize.NEWLINE:
+            current = None
+    return comments
+
+
+def add_fields(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] = (),
+               defaults: dict | None = None) -> None:
+    """Add one flag per dataclass field of ``cls`` (except ``exclude``)."""
+    hints = typing.get_type_hints(cls)
+    helps = field_comments(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        tp = hints[f.name]
+        default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING
+                                       else f.default_factory())  # type: ignore[misc]
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f"{helps.get(f.name, '')} (default: {default.value if isinstance(default, enum.Enum) else default})"
+        origin = typing.get_origin(tp)
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        elif inspect.isclass(tp) and issubclass(tp, enum.Enum):
+            parser.add_argument(flag, type=tp, choices=list(tp), default=default, help=help_,
+                                metavar="{" + ",".join(m.value for m in tp) + "}")
+        elif origin in (list, tuple):
+            parser.add_argument(flag, nargs="*", default=default, help=help_)
+        else:
+            base = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if origin else tp
+            parser.add_argument(flag, type=base, default=default, help=help_)
+
+
+def from_args(cls, args: argparse.Namespace, **override):
+    """Build ``cls`` from parsed args (fields absent from ``args`` keep their defaults)."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in override:
+            kwargs[f.name] = override[f.name]
+        elif hasattr(args, f.name):
+            val = getattr(args, f.name)
+            kwargs[f.name] = tuple(val) if isinstance(f.default, tuple) and isinstance(val, list) else val
+    return cls(**kwargs)

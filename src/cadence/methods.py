@@ -1,0 +1,81 @@
+"""Named decoding methods -> ready engines. Shared by the CLI, the benchmark and the server.
+
+A method is a head family (or none, for ``vanilla``) plus where its heads come from
+(``default`` = heads shipped for the default model, ``random``, or a directory) and a
+tree preset. ``make_engine`` is the one place that assembles backbone + heads +
+drafter + scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from cadence.drafter import HeadDrafter
+from cadence.engine import Engine
+from cadence.errors import CadenceError
+from cadence.heads import load_heads, new_heads
+from cadence.schedulers import StaticScheduler
+
+SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads"
+SHIPPED_FOR = {"SmolLM2-135M-Instruct": "smollm2"}  # backbone name -> folder under assets/heads
+
+
+class Method(str, Enum):
+    VANILLA = "vanilla"  # plain autoregressive decoding through the same engine
+    MEDUSA = "medusa"
+    HYDRA = "hydra"
+    MTP = "mtp"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class MethodSpec:
+    """How to decode; CLI flags derive from these fields."""
+
+    method: Method = Method.HYDRA  # vanilla | medusa | hydra | mtp
+    heads: str = "default"  # default (shipped for the model) | random | path to a heads directory
+    tree: str = "auto"  # tree preset (root, chain, chain-D, tree-N) or auto (the heads' recommended tree)
+    num_heads: int = 3  # K for --heads random
+    heads_seed: int = 0  # seed for --heads random
+
+
+def shipped_heads_dir(backbone, kind: str) -> Path | None:
+    folder = SHIPPED_FOR.get(backbone.name)
+    if folder is None:
+        return None
+    path = SHIPPED_HEADS / folder / kind
+    return path if (path / "config.json").is_file() else None
+
+
+def resolve_heads(backbone, spec: MethodSpec):
+    if spec.heads == "random":
+        return new_heads(spec.method.value, backbone, spec.num_heads, random=True, seed=spec.heads_seed)
+    if spec.heads == "default":
+        path = shipped_heads_dir(backbone, spec.method.value)
+        if path is None:
+            raise CadenceError(f"no {spec.method.value} heads are shipped for {backbone.name}; "
+                               "pass --heads DIR (trained with `cadence train`) or --heads random")
+    else:
+        path = Path(spec.heads)
+    heads = load_heads(path, backbone)
+    if heads.cfg.kind != spec.method.value:
+        raise CadenceError(f"{path} holds {heads.cfg.kind} heads, but --method is {spec.method.value}")
+    return heads
+
+
+def recommended_tree(heads) -> str:
+    """The tree stored with trained heads (``recommended_tree`` in config.json), else ``chain``."""
+    return getattr(heads, "recommended_tree", None) or "chain"
+
+
+def make_engine(backbone, spec: MethodSpec) -> Engine:
+    """Backbone + heads + drafter + static scheduler for ``spec`` (vanilla: no drafter)."""
+    if spec.method is Method.VANILLA:
+        return Engine(backbone)
+    heads = resolve_heads(backbone, spec)
+    tree = recommended_tree(heads) if spec.tree == "auto" else spec.tree
+    return Engine(backbone, HeadDrafter(heads), StaticScheduler.from_preset(tree, heads.K))

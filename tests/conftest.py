@@ -1,0 +1,17 @@
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def llama():
+    from tiny import tiny_backbone
+    return tiny_backbone("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2():
+    from tiny import tiny_backbone
+    return tiny_backbone("qwen2")
