@@ -39,6 +39,7 @@ class HeadDrafter:
     def __init__(self, heads):
         self.heads = heads
         self.num_heads = heads.K
+        self.vocab_size = heads.cfg.vocab_size
 
     @torch.inference_mode()
     def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:
@@ -55,7 +56,7 @@ class HeadDrafter:
         for depth in sorted(by_depth):
             nodes = by_depth[depth]
             prev = torch.stack([state_of[tree.parents[i]] for i in nodes])
-            logits, states = self.heads.step(depth + 1, prev, tokens[nodes])
+            logits, vocab_ids, states = self.heads.draft_step(depth + 1, prev, tokens[nodes])
             for j, node in enumerate(nodes):
                 state_of[node] = states[j]
             widths = [tree.width(i) for i in nodes]
@@ -64,9 +65,15 @@ class HeadDrafter:
             else:
                 dist = probs(logits, sampling)
                 if q is None:
-                    q = torch.zeros(n, logits.shape[-1], device=device)
-                q[nodes] = dist
+                    q = torch.zeros(n, self.vocab_size, device=device)
+                if vocab_ids is None:
+                    q[nodes] = dist
+                else:  # q lives on the full vocabulary, zero outside the draft subset
+                    q[nodes] = torch.zeros(len(nodes), self.vocab_size, device=device).index_copy_(
+                        1, vocab_ids, dist)
                 cand = torch.multinomial(dist, max(widths), replacement=True, generator=generator)
+            if vocab_ids is not None:
+                cand = vocab_ids[cand]
             for j, node in enumerate(nodes):
                 for child in tree.children[node]:
                     tokens[child] = cand[j, tree.ranks[child]]

@@ -60,6 +60,29 @@ class DraftHeads(nn.Module):
         super().__init__()
         self.cfg = cfg
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None  # not a submodule: never saved
+        self._draft_weight: torch.Tensor | None = None  # (V', d) rows of W_lm for the draft vocabulary
+        self.register_buffer("draft_vocab", None)  # (V',) long: token ids heads may draft; None = all
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> "DraftHeads":
+        """Restrict drafting to token ids ``ids`` (e.g. the most frequent reply tokens).
+
+        Drafting then multiplies by V' rows of the LM head instead of all V: on a CPU,
+        where a decode step is bound by reading weights, this makes a head step several
+        times cheaper. Verification still uses the full vocabulary, so output is unchanged;
+        only drafts outside the subset become impossible. Saved with the heads.
+        """
+        self.draft_vocab = None if ids is None else ids.long().to(self._device())
+        self._draft_weight = None
+        if self._shared is not None:
+            self._refresh_draft_weight()
+        return self
+
+    def _refresh_draft_weight(self) -> None:
+        if self.draft_vocab is not None and self._shared is not None:
+            w = self._shared[1].weight
+            self._draft_weight = w.index_select(0, self.draft_vocab.to(w.device)).contiguous()
+        else:
+            self._draft_weight = None
 
     @property
     def K(self) -> int:
@@ -68,7 +91,9 @@ class DraftHeads(nn.Module):
     def bind(self, backbone) -> "DraftHeads":
         """Attach the frozen embedding and LM head of ``backbone``; move to its device."""
         self._shared = (backbone.embed, backbone.lm_head)
-        return self.to(backbone.device)
+        self.to(backbone.device)
+        self._refresh_draft_weight()
+        return self
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         assert self._shared is not None, "call bind(backbone) first"
@@ -79,6 +104,9 @@ class DraftHeads(nn.Module):
         assert self._shared is not None, "call bind(backbone) first"
         head = self._shared[1]
         return head(x.to(head.weight.dtype)).float()
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def _param_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
@@ -92,6 +120,16 @@ class DraftHeads(nn.Module):
         (logits for depth k (B, vocab), state after depth k-1)."""
         feats, new_state = self.step_features(k, state, token)
         return self.lm_logits(feats), new_state
+
+    def draft_step(self, k: int, state: torch.Tensor, token: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Like ``step`` but over the draft vocabulary: (logits (B, V'), ids (V',) or None
+        when V' = V, new state). Column j of the logits is token ``ids[j]``."""
+        feats, new_state = self.step_features(k, state, token)
+        if self._draft_weight is None:
+            return self.lm_logits(feats), None, new_state
+        w = self._draft_weight
+        return (feats.to(w.dtype) @ w.T).float(), self.draft_vocab, new_state
 
     def step_features(self, k: int, state, token):
         raise NotImplementedError

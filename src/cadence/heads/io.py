@@ -43,7 +43,7 @@ def save_heads(heads: DraftHeads, directory: str | Path, dtype: torch.dtype | No
                extra_config: dict | None = None) -> Path:
     """Write heads.safetensors and config.json atomically; optionally cast (e.g. bf16)."""
     directory = Path(directory)
-    state = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in heads.state_dict().items()}
     atomic_write(directory / "heads.safetensors", lambda tmp: save_file(state, str(tmp)))
     atomic_write_json(directory / "config.json", {**heads.cfg.to_dict(), **(extra_config or {})})
@@ -72,7 +72,9 @@ def load_heads(directory: str | Path, backbone, dtype: torch.dtype | None = None
     heads = head_class(cfg.kind)(cfg)
     try:
         state = load_file(str(w_path))
-        heads.load_state_dict({k: v.float() for k, v in state.items()})
+        if "draft_vocab" in state:
+            heads.set_draft_vocab(state["draft_vocab"])
+        heads.load_state_dict({k: (v if k == "draft_vocab" else v.float()) for k, v in state.items()})
     except Exception as exc:
         raise CadenceError(f"{w_path} is corrupt or does not match its config: {exc}") from exc
     if dtype is not None:

