@@ -52,9 +52,13 @@ class OracleDrafter:
     rank-0 path is accepted, so tau = min(depth + 1, tokens left).
     """
 
-    def __init__(self, reference: list[int], prompt_len: int, num_heads: int, vocab: int):
+    def __init__(self, reference: list[int], prompt_len: int, num_heads: int, vocab: int,
+                 right_rank=0):
         self.reference, self.prompt_len = reference, prompt_len
         self.num_heads, self.vocab = num_heads, vocab
+        # which candidate rank carries the right token: an int, or a function of the token's
+        # index in the reference (then some right tokens may be missing from the tree)
+        self.right_rank = right_rank
 
     def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:
         pos = len(context) - self.prompt_len  # index of root in the reference
@@ -63,9 +67,60 @@ class OracleDrafter:
         on_path = {0: True}
         for node in range(1, tree.size):
             parent = tree.parents[node]
-            right = on_path[parent] and tree.ranks[node] == 0
             idx = pos + tree.depths[node]
+            want = self.right_rank(idx) if callable(self.right_rank) else self.right_rank
+            right = on_path[parent] and tree.ranks[node] == want
             true_tok = self.reference[idx] if idx < len(self.reference) else 0
-            tokens[node] = true_tok if right else (true_tok + tree.ranks[node] + 1) % self.vocab
+            tokens[node] = true_tok if right else (true_tok + tree.ranks[node] + 1 + want) % self.vocab
             on_path[node] = right and idx < len(self.reference)
         return Draft(tokens=tokens, q=None)
+
+
+class BackboneDrafter:
+    """An oracle-like drafter for T > 0: q is the backbone's own (filtered) distribution.
+
+    For every node with children it runs the backbone (no cache) on context + the
+    node's path and draws the children i.i.d. from ``q = (1 - mix) * p + mix * uniform``.
+    ``mix = 0`` gives q = p (every first child is accepted with probability 1);
+    ``mix > 0`` gives partial acceptance. At T = 0 the children are p's top-ranked tokens.
+    """
+
+    def __init__(self, backbone: Backbone, num_heads: int, mix: float = 0.0):
+        self.backbone, self.num_heads, self.mix = backbone, num_heads, mix
+
+    @torch.inference_mode()
+    def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:
+        from cadence.sampling import probs
+
+        n = tree.size
+        tokens = torch.empty(n, dtype=torch.long)
+        tokens[0] = root
+        q = None if sampling.greedy else torch.zeros(n, self.backbone.vocab_size)
+        for node in range(n):  # parents come before children in node order
+            if not tree.children[node]:
+                continue
+            path, j = [], node
+            while j >= 0:
+                path.append(int(tokens[j]))
+                j = tree.parents[j]
+            ids = torch.tensor([list(context) + path[::-1]])
+            logits = self.backbone.forward(ids).logits[0, -1]
+            width = tree.width(node)
+            if sampling.greedy:
+                cand = logits.topk(width).indices
+            else:
+                dist = (1 - self.mix) * probs(logits, sampling) + self.mix / logits.shape[-1]
+                q[node] = dist
+                cand = torch.multinomial(dist, width, replacement=True, generator=generator)
+            for child in tree.children[node]:
+                tokens[child] = cand[tree.ranks[child]]
+        return Draft(tokens=tokens, q=q)
+
+
+def save_tiny(directory, arch: str = "llama", **kwargs):
+    """Save a tiny backbone and its byte tokenizer as a HF model directory; return the Backbone."""
+    bb = tiny_backbone(arch, **kwargs)
+    bb.model.save_pretrained(directory)
+    if bb.tokenizer is not None:
+        bb.tokenizer.save_pretrained(directory)
+    return bb

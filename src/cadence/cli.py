@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-    for module in ("cadence.training.command", "cadence.bench.command"):
+    for module in ("cadence.training.command", "cadence.calibrate", "cadence.bench.command"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError:

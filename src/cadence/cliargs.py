@@ -54,7 +54,8 @@ def add_fields(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] = 
             parser.add_argument(flag, type=tp, choices=list(tp), default=default, help=help_,
                                 metavar="{" + ",".join(m.value for m in tp) + "}")
         elif origin in (list, tuple):
-            parser.add_argument(flag, nargs="*", default=default, help=help_)
+            elem = typing.get_args(tp)[0] if typing.get_args(tp) else str
+            parser.add_argument(flag, nargs="*", type=elem, default=default, help=help_)
         else:
             base = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if origin else tp
             parser.add_argument(flag, type=base, default=default, help=help_)

@@ -17,6 +17,7 @@ from cadence.engine import Engine
 from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads
 from cadence.schedulers import StaticScheduler
+from cadence.trees import CompiledTree, compile_tree, preset
 
 SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads"
 SHIPPED_FOR = {"SmolLM2-135M-Instruct": "smollm2"}  # backbone name -> folder under assets/heads
@@ -67,9 +68,11 @@ def resolve_heads(backbone, spec: MethodSpec):
     return heads
 
 
-def recommended_tree(heads) -> str:
-    """The tree stored with trained heads (``recommended_tree`` in config.json), else ``chain``."""
-    return getattr(heads, "recommended_tree", None) or "chain"
+def recommended_tree(heads) -> CompiledTree:
+    """The tree calibrated for these heads (``tree`` in config.json), else the top-1 chain."""
+    if heads.cfg.tree:
+        return compile_tree([tuple(p) for p in heads.cfg.tree], name="calibrated")
+    return compile_tree(preset("chain", heads.K), name="chain")
 
 
 def make_engine(backbone, spec: MethodSpec) -> Engine:
@@ -77,5 +80,8 @@ def make_engine(backbone, spec: MethodSpec) -> Engine:
     if spec.method is Method.VANILLA:
         return Engine(backbone)
     heads = resolve_heads(backbone, spec)
-    tree = recommended_tree(heads) if spec.tree == "auto" else spec.tree
-    return Engine(backbone, HeadDrafter(heads), StaticScheduler.from_preset(tree, heads.K))
+    if spec.tree == "auto":
+        scheduler = StaticScheduler(recommended_tree(heads))
+    else:
+        scheduler = StaticScheduler.from_preset(spec.tree, heads.K)
+    return Engine(backbone, HeadDrafter(heads), scheduler)

@@ -40,8 +40,9 @@ def grow_tree(acceptance: list[list[float]], budget: int) -> list[Path]:
     ``acceptance[k][i]`` is head k+1's probability that its rank-i candidate is accepted
     given its parent was. A node's value is the product along its path; the frontier
     node of highest value is added until the budget is spent. Example with
-    ``acceptance=[[0.6, 0.3], [0.5, 0.2]]`` and budget 3: (0,) value .6, then (0,0) value
-    .30 ties (1,) .30 (the earlier-pushed wins), then the other -> [(0,), (0,0), (1,)].
+    ``acceptance=[[0.6, 0.3], [0.5, 0.2]]`` and budget 3: (0,) value .6, then (1,) value
+    .30 ties (0,0) .30 (the earlier-pushed, the sibling (1,), wins), then the other. The
+    result is sorted by (depth, ranks): [(0,), (1,), (0, 0)].
     """
     depth, ranks = len(acceptance), len(acceptance[0]) if acceptance else 0
     chosen: list[Path] = []

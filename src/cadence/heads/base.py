@@ -35,6 +35,8 @@ class HeadConfig:
     backbone: str  # backbone name the heads were trained for (checked on load)
     mlp_ratio: float = 2.0  # mtp block MLP width / d_model
     rms_eps: float = 1e-5  # RMSNorm epsilon (mtp)
+    tree: list | None = None  # recommended draft tree (list of rank paths), written by `cadence calibrate`
+    acceptance: list | None = None  # a[k][i]: measured P(head k+1's rank-i candidate is right | path right)
 
     def to_dict(self) -> dict:
         return asdict(self)

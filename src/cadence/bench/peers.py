@@ -1,0 +1,132 @@
+"""Baselines from other libraries, measured in the same run as cadence's methods.
+
+Each peer has ``generate(prompt_ids, GenerationConfig) -> Generation`` like ``Engine``:
+- ``hf-generate``: transformers ``model.generate`` on the very same loaded model (greedy or
+  sampled as configured; no stop strings, no repetition penalty).
+- ``hf-pld``: the same with transformers prompt-lookup decoding (``prompt_lookup_num_tokens=10``).
+- ``llama.cpp``: llama-cpp-python on the GGUF the model was loaded from (the default model's
+  ``smollm2_gguf_path()``), 2 threads. Optional: when ``llama_cpp`` cannot be imported
+  the peer is skipped and the report says so. Its token ids are assumed to match the HF
+  tokenizer's (true for GGUFs converted from the same tokenizer); its output is from the
+  quantized weights, so it is not expected to be identical to cadence's float decoding.
+
+Peers have no step log; ``hf-generate`` runs one forward per token (tau 1), the others
+report no tau.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from cadence.engine import Generation, GenerationConfig, Stats
+from cadence.errors import CadenceError
+
+PEERS = ("hf-generate", "hf-pld", "llama.cpp")
+PLD_TOKENS = 10
+LLAMA_CPP_THREADS = 2
+
+
+def _strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+
+
+class HFGenerate:
+    """transformers ``generate``, optionally with prompt lookup."""
+
+    def __init__(self, backbone, prompt_lookup: int | None = None):
+        self.backbone = backbone
+        self.prompt_lookup = prompt_lookup
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generation:
+        from transformers import GenerationConfig as HFConfig
+
+        bb = self.backbone
+        eos = sorted(bb.eos_token_ids)
+        kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=not cfg.sampling.greedy,
+                  eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+        if not cfg.sampling.greedy:
+            kw.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
+        if self.prompt_lookup:
+            kw["prompt_lookup_num_tokens"] = self.prompt_lookup
+        gen_cfg = HFConfig(**kw)
+        ids = torch.tensor([prompt_ids], device=bb.device)
+        torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
+        out = bb.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
+        wall = time.perf_counter() - t0
+        tokens = out[0, len(prompt_ids):].tolist()
+        for i, t in enumerate(tokens):  # cut padding after the first EOS
+            if t in bb.eos_token_ids:
+                tokens = tokens[:i + 1]
+                break
+        stats = Stats(new_tokens=len(tokens), steps=0 if self.prompt_lookup else len(tokens), wall_s=wall)
+        text = bb.tokenizer.decode(tokens, skip_special_tokens=True) if bb.tokenizer is not None else ""
+        return Generation(tokens=tokens, text=text, stats=stats)
+
+
+class LlamaCpp:
+    """llama-cpp-python on a GGUF file (plain decoding, 2 threads)."""
+
+    def __init__(self, gguf: Path, backbone, n_ctx: int = 4096, threads: int = LLAMA_CPP_THREADS):
+        import llama_cpp
+
+        self.backbone = backbone
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_ctx=n_ctx, verbose=False)
+        self.eos = {int(self.llm.token_eos())} | set(backbone.eos_token_ids)
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generation:
+        greedy = cfg.sampling.greedy
+        if hasattr(self.llm, "set_seed"):
+            self.llm.set_seed(cfg.seed)
+        self.llm.reset()
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        for t in self.llm.generate(prompt_ids, temp=0.0 if greedy else cfg.temperature,
+                                   top_k=1 if greedy else (cfg.top_k or 0), top_p=1.0 if greedy else cfg.top_p,
+                                   min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True):
+            tokens.append(int(t))
+            if int(t) in self.eos or len(tokens) >= cfg.max_new_tokens:
+                break
+        wall = time.perf_counter() - t0
+        text = self.backbone.tokenizer.decode(tokens, skip_special_tokens=True) \
+            if self.backbone.tokenizer is not None else ""
+        return Generation(tokens=tokens, text=text, stats=Stats(new_tokens=len(tokens), steps=0, wall_s=wall))
+
+
+def llama_cpp_available() -> tuple[bool, str]:
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken native library
+        return False, f"llama.cpp skipped: the llama_cpp package is not importable ({type(exc).__name__})"
+    return True, ""
+
+
+def gguf_for(model_spec: str) -> Path | None:
+    """The GGUF file behind a --model value, when there is one."""
+    from cadence.backbone import DEFAULT_MODEL, smollm2_gguf_path
+
+    if model_spec == DEFAULT_MODEL:
+        return smollm2_gguf_path()
+    path = Path(model_spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def make_peer(name: str, backbone, model_spec: str | None):
+    """The peer engine for ``name``, or raise CadenceError with the reason it is unavailable."""
+    if name == "hf-generate":
+        return HFGenerate(backbone)
+    if name == "hf-pld":
+        return HFGenerate(backbone, prompt_lookup=PLD_TOKENS)
+    if name == "llama.cpp":
+        ok, why = llama_cpp_available()
+        if not ok:
+            raise CadenceError(why)
+        gguf = gguf_for(model_spec) if model_spec else None
+        if gguf is None:
+            raise CadenceError("llama.cpp skipped: the model was not loaded from a GGUF file")
+        return LlamaCpp(gguf, backbone)
+    raise CadenceError(f"unknown peer {name!r}; peers: {', '.join(PEERS)}")

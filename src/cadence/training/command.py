@@ -1,0 +1,67 @@
+"""``cadence distill`` and ``cadence train``: flags derive from DistillConfig / TrainConfig.
+
+``cadence train`` runs unchanged under ``accelerate launch`` (DDP over processes); see
+docs/training.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from cadence.cliargs import add_fields, from_args
+
+
+def register(sub) -> None:
+    from cadence.training.data import DistillConfig
+    from cadence.training.trainer import TrainConfig
+
+    p = sub.add_parser("distill", help="self-distillation data: the backbone answers training prompts",
+                       description="Generate (or resume generating) self-distilled shards for head training.")
+    add_fields(p, DistillConfig)
+    p.set_defaults(func=run_distill_command)
+
+    p = sub.add_parser("train", help="train draft heads on a frozen backbone",
+                       description="Train medusa/hydra/mtp heads on distilled shards; resumes from "
+                                   "OUT/checkpoint.pt. Runs under `accelerate launch` for DDP.")
+    add_fields(p, TrainConfig)
+    p.set_defaults(func=run_train_command)
+
+
+def run_distill_command(args) -> int:
+    from cadence.training.data import DistillConfig, run_distill
+
+    cfg = from_args(DistillConfig, args)
+    manifest = run_distill(cfg)
+    n_seq = sum(s["sequences"] for s in manifest["shards"])
+    n_reply = sum(s["reply_tokens"] for s in manifest["shards"])
+    print(f"{cfg.out}: {manifest['prompts_done']} prompts, {len(manifest['shards'])} shards, "
+          f"{n_seq} sequences, {n_reply} reply tokens", file=sys.stderr)
+    return 0
+
+
+def run_train_command(args) -> int:
+    from cadence.training.trainer import TrainConfig, train
+
+    cfg = from_args(TrainConfig, args)
+    result = train(cfg)
+    try:
+        from accelerate import PartialState
+        main = PartialState().is_main_process
+    except Exception:  # pragma: no cover
+        main = True
+    if main:
+        s = result.summary
+        if result.status == "cached":
+            print(f"hidden cache ready: {s['cache']} ({s['shards']} shards)", file=sys.stderr)
+            return 0
+        line = (f"{result.status} at step {s['step']}/{s['steps']}: {s['tokens']} tokens, "
+                f"{s['tokens_per_s']} tok/s, peak RSS {s['max_rss_mib']} MiB")
+        ev = s.get("heldout")
+        if ev:
+            line += ("; held-out top-1 " + " / ".join(f"{a:.3f}" for a in ev["top1"])
+                     + ", top-5 " + " / ".join(f"{a:.3f}" for a in ev["top5"]) + f", tau {ev['tau']:.3f}")
+        print(line, file=sys.stderr)
+        if result.status == "finished":
+            print(json.dumps({"heads": str(cfg.out) + "/heads", **{k: s[k] for k in ("step", "tokens_per_s")}}))
+    return 0

@@ -1,0 +1,377 @@
+"""Per-head training losses, the AdaMTP mask, and held-out accuracy; vocabulary-chunked.
+
+Indexing (as in ``cadence.heads.base``): a row holds tokens x_0..x_{T-1}; ``hidden[:, t]``
+is the backbone state after x_t. Head k (1..K) at position t sees h_t and x_{t+1}..x_{t+k}
+and predicts x_{t+1+k}; its features come as ``feats[k-1][:, t]`` for t = 0..T-2-k.
+
+Targets of head k at position t:
+
+* ``ce`` with target ``token``: the data token ``ids[:, t+1+k]``;
+* ``ce`` with target ``backbone``: ``argmax[:, t+k]``, the backbone's own greedy choice for
+  that position (``argmax[:, s]`` is the argmax of p_B(. | x_<=s), a prediction of x_{s+1});
+* ``kl``: KL(p_B(. | x_<=t+k) || q_k), the backbone distribution at index t+k, from the
+  LM head applied to ``hidden[:, t+k]`` (teacher ``full``) or from stored top-k logits
+  (teacher ``topk``: the k largest logits, renormalised; the rest of the vocabulary
+  carries no teacher mass).
+
+Only positions whose target lies in the reply count (``reply[:, t+1+k]``, i.e. the target's
+index in its sequence is >= prompt_len) and whose target is in the same packed sequence
+(``seg[:, t] == seg[:, t+1+k]``). Head k's mean loss is weighted lambda^(k-1).
+
+Memory: the vocabulary can be large (49152), so the valid positions of each head are
+gathered into a flat (N, d) matrix and pushed through the LM head ``chunk`` rows at a time,
+each chunk under activation checkpointing; the (B, T, K, V) logits never exist at once,
+nor does more than one chunk's logits during the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from cadence.errors import CadenceError
+
+LOSSES = ("ce", "kl", "ce+adamtp", "kl+adamtp")
+TARGETS = ("token", "backbone")
+TEACHERS = ("full", "topk")
+
+
+def parse_loss(name: str) -> tuple[str, bool]:
+    """'ce' | 'kl' | 'ce+adamtp' | 'kl+adamtp' -> (base loss, adamtp on)."""
+    if name not in LOSSES:
+        raise CadenceError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    base, _, extra = name.partition("+")
+    return base, extra == "adamtp"
+
+
+def head_weights(num_heads: int, lam: float) -> list[float]:
+    """lambda^(k-1) for k = 1..K."""
+    return [lam ** (k - 1) for k in range(1, num_heads + 1)]
+
+
+# --------------------------------------------------------------------------- entropy / AdaMTP
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of softmax(logits) over the last axis (float32)."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@torch.no_grad()
+def logits_stats(lm: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, chunk: int = 512,
+                 want_entropy: bool = True, want_argmax: bool = True
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Backbone entropy and argmax at every position of ``hidden`` (..., d), ``chunk`` rows at a time."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    ent = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device) if want_entropy else None
+    arg = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device) if want_argmax else None
+    for i in range(0, flat.shape[0], chunk):
+        z = lm(flat[i:i + chunk]).float()
+        if ent is not None:
+            ent[i:i + chunk] = entropy_from_logits(z)
+        if arg is not None:
+            arg[i:i + chunk] = z.argmax(-1)
+    shape = hidden.shape[:-1]
+    return (ent.view(shape) if ent is not None else None, arg.view(shape) if arg is not None else None)
+
+
+def entropy_boundaries(entropy: torch.Tensor, window: int = 16, c: float = 2.0,
+                       min_history: int = 2) -> torch.Tensor:
+    """AdaMTP boundaries of one or more sequences: bool tensor shaped like ``entropy`` (..., T).
+
+    ``entropy[..., s]`` is H_s, the backbone's entropy at index s (its uncertainty about
+    x_{s+1}). Over the trailing window of the ``window`` values strictly before s,
+    H_{s-w}..H_{s-1} (fewer at the start of the sequence), take the mean mu_s and the
+    population standard deviation sigma_s. Index s is a boundary when
+    ``H_s > mu_s + c * sigma_s`` (plus 1e-6 against rounding); with fewer than ``min_history``
+    earlier values it is not.
+    A boundary at entropy index s means token x_{s+1} was unpredictable; see
+    ``adamtp_mask`` for how it masks the heads. Each row is one whole sequence (the window
+    never reaches across sequences).
+    """
+    if window < 1:
+        raise CadenceError("the AdaMTP window must be at least 1")
+    h = entropy.double()
+    T = h.shape[-1]
+    zero = torch.zeros(h.shape[:-1] + (1,), dtype=h.dtype, device=h.device)
+    cs = torch.cat([zero, h.cumsum(-1)], -1)  # cs[i] = sum of h[:i]
+    cs2 = torch.cat([zero, (h * h).cumsum(-1)], -1)
+    s = torch.arange(T, device=h.device)
+    lo = (s - window).clamp(min=0)
+    n = (s - lo).to(h.dtype)  # values in the window before s
+    tot = cs[..., s] - cs[..., lo]
+    tot2 = cs2[..., s] - cs2[..., lo]
+    nn_ = n.clamp(min=1)
+    mu = tot / nn_
+    var = (tot2 / nn_ - mu * mu).clamp(min=0)
+    return (h > mu + c * var.sqrt() + 1e-6) & (n >= min_history)
+
+
+def adamtp_mask(boundary: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions where head k's loss is MASKED, shape (..., T-1-k), from boundaries (..., T).
+
+    Head k at position t drafts, along its chain, the tokens x_{t+2}..x_{t+1+k} (x_{t+1}
+    is the backbone's own token at decoding time). Its loss is masked when a boundary
+    token falls inside the token interval (t+1, t+1+k], i.e. when some
+    ``boundary[s]`` is set for entropy index s in {t+1, ..., t+k} (token x_{s+1}).
+
+    Worked example (window 16, c = 2): H = [2, 2, 2, 2, 2, 2, 9, 2, 2, 2] (T = 10).
+    s = 0, 1 have too little history; s = 2..5 see a constant window (sigma 0) and H_s
+    equals mu_s, so no boundary; s = 6: 9 > 2 + 0, a boundary (token x_7 was
+    unpredictable); s = 7: window [2 x 6, 9] gives mu 3, sigma 2.45, and 2 is below 7.9.
+    So boundary = {6}, and the masked positions are
+    head 1: t = 5 (it predicts x_7);
+    head 2: t = 4, 5 (targets x_7 and x_8; the chain for x_8 runs through x_7);
+    head 3: t = 3, 4, 5.
+    Head 1 at t = 6 (target x_8, chain (7, 8]) is kept.
+    """
+    T = boundary.shape[-1]
+    n = T - 1 - k
+    if n <= 0:
+        return boundary.new_zeros(boundary.shape[:-1] + (max(n, 0),))
+    b = boundary.long()
+    zero = torch.zeros(b.shape[:-1] + (1,), dtype=b.dtype, device=b.device)
+    cs = torch.cat([zero, b.cumsum(-1)], -1)  # cs[i] = boundaries among indices < i
+    t = torch.arange(n, device=b.device)
+    return (cs[..., t + k + 1] - cs[..., t + 1]) > 0
+
+
+# --------------------------------------------------------------------------- masks and targets
+
+def valid_mask(seg: torch.Tensor, reply: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, T-1-k) bool: head k at t has a reply target in the same packed sequence."""
+    T = seg.shape[-1]
+    n = max(T - 1 - k, 0)
+    s0, s1 = seg[..., :n], seg[..., k + 1:k + 1 + n]
+    return (s0 >= 0) & (s0 == s1) & reply[..., k + 1:k + 1 + n]
+
+
+def decode_mask(seg: torch.Tensor, reply: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, T-1-k) bool: positions a decoder would query head k at (t >= prompt_len - 1, i.e.
+    x_{t+1} is a reply token) with head k's target still inside the sequence."""
+    T = seg.shape[-1]
+    n = max(T - 1 - k, 0)
+    s0, s1 = seg[..., :n], seg[..., k + 1:k + 1 + n]
+    return (s0 >= 0) & (s0 == s1) & reply[..., 1:1 + n]
+
+
+@dataclass
+class Batch:
+    """One packed micro-batch on the training device.
+
+    ids, seg, reply: (B, T). seg is the packed-sequence id (-1 = padding); reply marks
+    tokens of the reply (index in its sequence >= prompt_len). hidden: (B, T, d) backbone
+    states. argmax: (B, T) backbone argmax (target 'backbone'). boundary: (B, T) AdaMTP
+    boundaries. topk_ids / topk_logits: (B, T, k) stored teacher (teacher 'topk'),
+    topk_ok: (B, T) where it exists.
+    """
+
+    ids: torch.Tensor
+    seg: torch.Tensor
+    reply: torch.Tensor
+    hidden: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    boundary: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logits: torch.Tensor | None = None
+    topk_ok: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.seg >= 0).sum())
+
+
+def head_targets(batch: Batch, k: int, target: str) -> torch.Tensor:
+    """(B, T-1-k) class targets of head k: the data token or the backbone argmax."""
+    n = max(batch.ids.shape[-1] - 1 - k, 0)
+    if target == "token":
+        return batch.ids[..., k + 1:k + 1 + n]
+    if target == "backbone":
+        if batch.argmax is None:
+            raise CadenceError("target 'backbone' needs the backbone argmax (hidden cache or backbone pass)")
+        return batch.argmax[..., k:k + n]
+    raise CadenceError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+
+
+# --------------------------------------------------------------------------- chunked losses
+
+def _ce_sum(lm, f, tgt):
+    return F.cross_entropy(lm(f).float(), tgt, reduction="sum")
+
+
+def _kl_full_sum(lm, f, teacher_h):
+    logq = torch.log_softmax(lm(f).float(), -1)
+    with torch.no_grad():
+        logp = torch.log_softmax(lm(teacher_h).float(), -1)
+    return (logp.exp() * (logp - logq)).sum()
+
+
+def _kl_topk_sum(lm, f, t_ids, t_logits):
+    logq = torch.log_softmax(lm(f).float(), -1).gather(-1, t_ids)
+    logp = torch.log_softmax(t_logits.float(), -1)
+    return (logp.exp() * (logp - logq)).sum()
+
+
+def _chunked(fn, lm, feats: torch.Tensor, *aux: torch.Tensor, chunk: int) -> torch.Tensor:
+    total = feats.new_zeros((), dtype=torch.float32)
+    use_ckpt = torch.is_grad_enabled() and feats.requires_grad
+    for i in range(0, feats.shape[0], chunk):
+        args = (feats[i:i + chunk],) + tuple(a[i:i + chunk] for a in aux)
+        part = checkpoint(fn, lm, *args, use_reentrant=False) if use_ckpt else fn(lm, *args)
+        total = total + part
+    return total
+
+
+def chunked_ce(lm, feats: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Sum of cross-entropy of lm(feats) (N, d) against targets (N,), ``chunk`` rows at a time."""
+    return _chunked(_ce_sum, lm, feats, targets, chunk=chunk)
+
+
+def chunked_kl(lm, feats: torch.Tensor, teacher_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Sum over rows of KL(softmax(lm(teacher_hidden)) || softmax(lm(feats)))."""
+    return _chunked(_kl_full_sum, lm, feats, teacher_hidden, chunk=chunk)
+
+
+def chunked_kl_topk(lm, feats: torch.Tensor, t_ids: torch.Tensor, t_logits: torch.Tensor,
+                    chunk: int = 1024) -> torch.Tensor:
+    """Sum over rows of KL(p_topk || q), p = softmax over the stored top-k logits only."""
+    return _chunked(_kl_topk_sum, lm, feats, t_ids, t_logits, chunk=chunk)
+
+
+@dataclass
+class LossSpec:
+    """What ``head_losses`` computes."""
+
+    loss: str = "ce"  # ce | kl | ce+adamtp | kl+adamtp
+    target: str = "token"  # ce target: token | backbone
+    teacher: str = "full"  # kl teacher: full | topk
+    lam: float = 0.8  # head k weighted lam^(k-1)
+    chunk: int = 1024  # positions per LM-head chunk
+
+
+def head_masks(batch: Batch, k: int, adamtp: bool) -> torch.Tensor:
+    """Training mask of head k (B, T-1-k): valid target, not masked by AdaMTP."""
+    m = valid_mask(batch.seg, batch.reply, k)
+    if adamtp:
+        if batch.boundary is None:
+            raise CadenceError("AdaMTP needs backbone entropies (hidden cache or backbone pass)")
+        m = m & ~adamtp_mask(batch.boundary, k)
+    return m
+
+
+def head_losses(lm, feats: list[torch.Tensor], batch: Batch, spec: LossSpec
+                ) -> tuple[torch.Tensor, list[float], list[int]]:
+    """Weighted total loss, per-head mean losses (floats) and per-head position counts.
+
+    ``lm`` maps features (N, d) to logits (N, V) (the heads' shared LM head). The total is
+    sum_k lam^(k-1) * mean_k; a head with no valid position contributes 0 (but keeps its
+    parameters in the graph, which DDP needs).
+    """
+    base, adamtp = parse_loss(spec.loss)
+    weights = head_weights(len(feats), spec.lam)
+    total = sum(f.float().sum() for f in feats) * 0.0
+    means, counts = [], []
+    for k, f in enumerate(feats, start=1):
+        mask = head_masks(batch, k, adamtp)
+        n = int(mask.sum())
+        counts.append(n)
+        if n == 0:
+            means.append(float("nan"))
+            continue
+        fk = f[mask]
+        if base == "ce":
+            s = chunked_ce(lm, fk, head_targets(batch, k, spec.target)[mask], spec.chunk)
+        elif spec.teacher == "full":
+            T = batch.ids.shape[-1]
+            th = batch.hidden[:, k:T - 1][mask]  # backbone state at t+k
+            s = chunked_kl(lm, fk, th, spec.chunk)
+        elif spec.teacher == "topk":
+            if batch.topk_ids is None:
+                raise CadenceError("teacher 'topk' needs shards written with --topk-logits")
+            T = batch.ids.shape[-1]
+            ok = batch.topk_ok[:, k:T - 1]
+            if not bool(ok[mask].all()):
+                raise CadenceError("stored top-k logits do not cover every reply position")
+            s = chunked_kl_topk(lm, fk, batch.topk_ids[:, k:T - 1][mask].long(),
+                                batch.topk_logits[:, k:T - 1][mask], spec.chunk)
+        else:
+            raise CadenceError(f"unknown KL teacher {spec.teacher!r}; choose one of {', '.join(TEACHERS)}")
+        mean = s / n
+        means.append(float(mean.detach()))
+        total = total + weights[k - 1] * mean
+    return total, means, counts
+
+
+# --------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def topk_correct(lm, feats: torch.Tensor, targets: torch.Tensor, chunk: int = 1024,
+                 ks: tuple[int, ...] = (1, 5)) -> dict[int, torch.Tensor]:
+    """For each k in ``ks``: bool (N,) whether the target is among lm(feats)'s top-k."""
+    out = {k: torch.zeros(feats.shape[0], dtype=torch.bool, device=feats.device) for k in ks}
+    top = max(ks)
+    for i in range(0, feats.shape[0], chunk):
+        idx = lm(feats[i:i + chunk]).float().topk(top, dim=-1).indices
+        hit = idx == targets[i:i + chunk, None]
+        for k in ks:
+            out[k][i:i + chunk] = hit[:, :k].any(-1)
+    return out
+
+
+@torch.no_grad()
+def chain_counts(lm, feats: list[torch.Tensor], batch: Batch, target: str, chunk: int = 1024
+                 ) -> dict[str, torch.Tensor]:
+    """Held-out counts over decoding positions (``decode_mask``), float64 tensors of length K.
+
+    n[k]: positions where head k has a target; top1[k], top5[k]: hits of head k there;
+    chain[k]: positions where heads 1..k are all right (top-1), counted over the same
+    positions as n[k]. P(chain k) = chain[k] / n[k] is the conditional chain acceptance:
+    expected tau of a top-1 chain = 1 + sum_k P(chain k).
+    """
+    K = len(feats)
+    dev = batch.ids.device
+    n = torch.zeros(K, dtype=torch.float64, device=dev)
+    top1, top5, chain = n.clone(), n.clone(), n.clone()
+    right_prev: torch.Tensor | None = None  # (B, T-1-(k-1)) all heads < k right
+    for k, f in enumerate(feats, start=1):
+        mask = decode_mask(batch.seg, batch.reply, k)
+        tgt = head_targets(batch, k, target)
+        right1 = torch.zeros_like(mask)
+        if mask.any():
+            hits = topk_correct(lm, f[mask], tgt[mask], chunk)
+            right1[mask] = hits[1]
+            top1[k - 1] = hits[1].sum()
+            top5[k - 1] = hits[5].sum()
+        n[k - 1] = mask.sum()
+        all_right = right1 if right_prev is None else right1 & right_prev[..., :right1.shape[-1]]
+        chain[k - 1] = (all_right & mask).sum()
+        right_prev = all_right
+    return {"n": n, "top1": top1, "top5": top5, "chain": chain}
+
+
+def summarize_counts(c: dict[str, torch.Tensor]) -> dict:
+    """Accuracies and expected tau from (reduced) ``chain_counts``."""
+    n = c["n"].clamp(min=1)
+    acc1 = (c["top1"] / n).tolist()
+    acc5 = (c["top5"] / n).tolist()
+    chain = (c["chain"] / n).tolist()
+    indep, prod = 1.0, 1.0
+    for a in acc1:
+        prod *= a
+        indep += prod
+    return {"top1": acc1, "top5": acc5, "chain": chain, "tau": 1.0 + sum(chain), "tau_independent": indep,
+            "positions": [int(x) for x in c["n"].tolist()]}
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float = 0.0) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

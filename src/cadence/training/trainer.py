@@ -1,0 +1,457 @@
+"""Train draft heads on a frozen backbone from self-distilled shards.
+
+Knows: the training loop (AdamW, linear warm-up + cosine decay, gradient accumulation,
+optional bf16 autocast), ``accelerate`` for DDP/DeepSpeed/FSDP launches, periodic held-out
+evaluation, atomic checkpoints and exact resuming, the training log, and the final
+``save_heads``. Losses live in ``losses``, rows and features in ``batches``, the hidden
+state cache in ``hidden_cache``.
+
+Only the heads are trained and only they are handed to ``accelerator.prepare``; the
+backbone (and its embedding / LM head, which the heads share) stays frozen and unwrapped.
+
+Output directory::
+
+    checkpoint.pt      heads, optimizer, scheduler, step, RNG, config (one file, atomic)
+    train_log.jsonl    one JSON record per log step ("kind": "train") and evaluation ("eval")
+    summary.json       throughput, peak memory, final held-out accuracy
+    heads/             the trained heads (save_heads), written when training finishes
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+from tqdm import tqdm
+
+from cadence.atomic import atomic_write, atomic_write_json
+from cadence.errors import CadenceError
+from cadence.heads.io import KINDS, new_heads, save_heads
+from cadence.training import losses as L
+from cadence.training.batches import Corpus, RowDataset, collate, pack, segments, to_batch
+from cadence.training.data import load_manifest
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "train_log.jsonl"
+CKPT_FORMAT = 1
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one head-training run; CLI flags derive from these fields."""
+
+    data: str = "data/distill-smollm2"  # distilled data directory (manifest.json + shards); only shards in its manifest are read
+    out: str = "runs/train"  # output directory: checkpoint.pt, train_log.jsonl, summary.json, heads/
+    kind: str = "hydra"  # head type: medusa | hydra | mtp
+    num_heads: int = 3  # K, heads drafting tokens 2..K+1 after the backbone's own
+    loss: str = "ce"  # ce | kl | ce+adamtp | kl+adamtp
+    target: str = "token"  # ce target: token (the data token) | backbone (backbone argmax at that position)
+    teacher: str = "full"  # kl teacher: full (backbone LM head on its hidden state) | topk (logits stored in the shards)
+    loss_lambda: float = 0.8  # head k's loss is weighted loss_lambda^(k-1)
+    adamtp_window: int = 16  # AdaMTP: trailing window of entropies for the running mean / std
+    adamtp_c: float = 2.0  # AdaMTP: boundary where entropy > mean + c * std
+    steps: int = 1000  # optimizer steps in total
+    batch_size: int = 4  # packed rows per micro-batch and process
+    max_len: int = 512  # tokens per packed row; longer sequences are truncated
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.0  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 50  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max gradient norm (0 = off)
+    bf16: bool = False  # bf16 autocast for heads and loss (mixed precision)
+    loss_chunk: int = 1024  # positions per LM-head chunk in the loss (bounds logits memory)
+    eval_every: int = 200  # evaluate on the held-out 'val' shards every N steps (0 = only at the end)
+    eval_rows: int = 0  # held-out packed rows per evaluation (0 = all)
+    save_every: int = 100  # write checkpoint.pt every N steps (and at the end)
+    log_every: int = 10  # write a train_log.jsonl record every N steps
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0 = run to the end
+    resume: bool = True  # resume from out/checkpoint.pt when it exists (--no-resume refuses to touch it)
+    cache_hidden: str = ""  # hidden-state cache directory: built (or extended) once, then no backbone forward
+    cache_dtype: str = "bfloat16"  # dtype of cached hidden states: bfloat16 | float16 | float32
+    cache_only: bool = False  # build or extend --cache-hidden and exit without training
+    seed: int = 0  # data order and head initialisation
+    progress: bool = True  # show a progress bar
+    model: str = "smollm2"  # backbone (frozen)
+    dtype: str = "auto"  # backbone dtype
+    device: str = "auto"  # auto | cpu (under accelerate launch, the process's device)
+
+
+# Fields that may change between a run and its resumption.
+_RESUMABLE = ("out", "eval_every", "eval_rows", "save_every", "log_every", "stop_after", "resume",
+              "progress", "device", "cache_hidden", "cache_only")
+
+
+def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
+    d = asdict(cfg)
+    for k in _RESUMABLE:
+        d.pop(k)
+    d["uses_cache"] = bool(cfg.cache_hidden)
+    d["world_size"] = world_size
+    d["data"] = str(Path(cfg.data).resolve())
+    return d
+
+
+def validate(cfg: TrainConfig) -> None:
+    if cfg.kind not in KINDS:
+        raise CadenceError(f"unknown head type {cfg.kind!r}; choose one of {', '.join(KINDS)}")
+    L.parse_loss(cfg.loss)
+    if cfg.target not in L.TARGETS:
+        raise CadenceError(f"unknown target {cfg.target!r}; choose one of {', '.join(L.TARGETS)}")
+    if cfg.teacher not in L.TEACHERS:
+        raise CadenceError(f"unknown KL teacher {cfg.teacher!r}; choose one of {', '.join(L.TEACHERS)}")
+    for name in ("num_heads", "steps", "batch_size", "grad_accum", "loss_chunk", "adamtp_window"):
+        if getattr(cfg, name) < 1:
+            raise CadenceError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.max_len < cfg.num_heads + 3:
+        raise CadenceError("--max-len is too short for this many heads")
+    if cfg.lr <= 0:
+        raise CadenceError("--lr must be positive")
+    if cfg.cache_only and not cfg.cache_hidden:
+        raise CadenceError("--cache-only needs --cache-hidden DIR")
+
+
+class _Trainable(nn.Module):
+    """What accelerate wraps: the heads, with forward = teacher-forced features."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+        return self.heads.train_features(hidden, ids)
+
+
+def _rng_state() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def load_checkpoint(path: Path) -> dict:
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CadenceError(f"checkpoint {path} is unreadable ({exc}); delete it to start over") from exc
+    if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT:
+        raise CadenceError(f"{path} is not a cadence training checkpoint")
+    return ck
+
+
+def _diff(old: dict, new: dict) -> dict:
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+
+
+def peak_memory_mib(device: torch.device | None = None) -> dict:
+    """Peak resident memory of this process (ru_maxrss) and, on CUDA, peak allocated."""
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if sys.platform == "darwin":  # bytes there
+        rss_kib //= 1024
+    out = {"max_rss_mib": round(rss_kib / 1024, 1)}
+    if device is not None and device.type == "cuda":
+        out["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
+    return out
+
+
+@dataclass
+class TrainResult:
+    status: str  # "finished" | "stopped"
+    step: int
+    summary: dict
+    heads: object  # the trained (unwrapped) heads
+
+
+def _shard_lists(manifest: dict) -> dict[str, list[str]]:
+    return {split: [s["file"] for s in manifest["shards"] if s.get("split", "train") == split]
+            for split in ("train", "val")}
+
+
+def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
+    """Train (or resume training) heads as ``cfg`` says; see the module docstring."""
+    validate(cfg)
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    if accelerator is None:
+        from accelerate.state import AcceleratorState, PartialState
+
+        if AcceleratorState._shared_state and PartialState().num_processes == 1:
+            # a second run in one process (tests, notebooks) may use another mixed precision
+            AcceleratorState._reset_state()
+        accelerator = Accelerator(cpu=cfg.device == "cpu", mixed_precision="bf16" if cfg.bf16 else "no",
+                                  gradient_accumulation_steps=cfg.grad_accum)
+    main = accelerator.is_main_process
+    world = accelerator.num_processes
+    out = Path(cfg.out)
+    data_dir = Path(cfg.data)
+    manifest = load_manifest(data_dir)
+    if manifest is None:
+        raise CadenceError(f"{data_dir} has no manifest.json (make one with `cadence distill --out {data_dir}`)")
+    ckpt_path = out / CHECKPOINT
+    ckpt = None
+    fp = fingerprint(cfg, world)
+    if ckpt_path.exists() and not cfg.cache_only:
+        if not cfg.resume:
+            raise CadenceError(f"{out} already holds a checkpoint; pass --resume or use a new --out")
+        ckpt = load_checkpoint(ckpt_path)
+        if ckpt["config"] != fp:
+            raise CadenceError(f"{ckpt_path} was written with other settings {_diff(ckpt['config'], fp)}; "
+                               "resume with the same settings or use a new --out")
+        shards = ckpt["shards"]  # the data set as it was when training started
+    else:
+        shards = _shard_lists(manifest)
+    if not shards["train"]:
+        raise CadenceError(f"{data_dir} has no training shards yet")
+
+    set_seed(cfg.seed)
+    if backbone is None:
+        from cadence.backbone import load_backbone
+        dev = accelerator.device
+        backbone = load_backbone(cfg.model, cfg.dtype, str(dev))
+    backbone.requires_grad_(False)
+    base_loss, adamtp = L.parse_loss(cfg.loss)
+    need_argmax = base_loss == "ce" and cfg.target == "backbone"
+    boundary = (cfg.adamtp_window, cfg.adamtp_c) if adamtp else None
+    use_topk = base_loss == "kl" and cfg.teacher == "topk"
+
+    train_corpus = Corpus(data_dir, shards["train"], backbone.vocab_size)
+    val_corpus = Corpus(data_dir, shards["val"], backbone.vocab_size)
+    if use_topk and not (train_corpus.has_topk and (not val_corpus.seqs or val_corpus.has_topk)):
+        raise CadenceError(f"teacher 'topk' needs shards with top-k logits; {data_dir} was distilled "
+                           "without --topk-logits (use --teacher full)")
+
+    cache = None
+    if cfg.cache_hidden:
+        from cadence.training.hidden_cache import build_cache, open_cache
+
+        files = shards["train"] + shards["val"]
+        if main:
+            build_cache(cfg.cache_hidden, backbone, data_dir, files, dtype=cfg.cache_dtype,
+                        progress=cfg.progress)
+        accelerator.wait_for_everyone()
+        cache = open_cache(cfg.cache_hidden, backbone, data_dir, files)
+        if cfg.cache_only:
+            return TrainResult("cached", 0, {"cache": str(cfg.cache_hidden), "shards": len(files)}, None)
+
+    heads = new_heads(cfg.kind, backbone, cfg.num_heads)
+    heads.train()
+    model = _Trainable(heads)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: L.lr_lambda(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inner = accelerator.unwrap_model(model).heads
+
+    step, tokens_done, train_seconds = 0, 0, 0.0
+    if ckpt is not None:
+        inner.load_state_dict(ckpt["heads"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        step, tokens_done, train_seconds = ckpt["step"], ckpt["tokens"], ckpt["train_seconds"]
+        _set_rng_state(ckpt["rng"])
+
+    train_rows = pack(segments(train_corpus, cfg.num_heads, cfg.max_len), cfg.max_len, seed=cfg.seed)
+    val_rows = pack(segments(val_corpus, cfg.num_heads, cfg.max_len), cfg.max_len, seed=None)
+    if cfg.eval_rows:
+        val_rows = val_rows[:cfg.eval_rows]
+    rows_per_step = world * cfg.batch_size * cfg.grad_accum
+    steps_per_epoch = len(train_rows) // rows_per_step
+    if steps_per_epoch == 0:
+        raise CadenceError(f"too little training data: {len(train_rows)} packed rows, but one step needs "
+                           f"{rows_per_step} (processes x batch size x grad accumulation)")
+    train_ds = RowDataset(train_corpus, train_rows, cache, need_argmax, boundary, use_topk)
+    val_ds = RowDataset(val_corpus, val_rows, cache, need_argmax, boundary, use_topk)
+    spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk)
+    feature_kw = dict(backbone=None if cache is not None else backbone, need_argmax=need_argmax,
+                      boundary=boundary)
+
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        _trim_log(out / LOG, step)
+    log = _Log(out / LOG, main)
+
+    def evaluate() -> dict | None:
+        if not len(val_ds):
+            return None
+        inner.eval()
+        counts = None
+        eval_target = "backbone" if need_argmax else "token"
+        with torch.no_grad(), accelerator.autocast():
+            mine = list(range(accelerator.process_index, len(val_ds), world))
+            for i in range(0, len(mine), cfg.batch_size):
+                idx = mine[i:i + cfg.batch_size]
+                batch = to_batch(collate([val_ds[j] for j in idx]), accelerator.device, **feature_kw)
+                feats = inner.train_features(batch.hidden, batch.ids)
+                c = L.chain_counts(inner.lm_logits, feats, batch, eval_target, cfg.loss_chunk)
+                counts = c if counts is None else {k: counts[k] + c[k] for k in c}
+        if counts is None:
+            counts = {k: torch.zeros(cfg.num_heads, dtype=torch.float64, device=accelerator.device)
+                      for k in ("n", "top1", "top5", "chain")}
+        counts = {k: accelerator.reduce(v, "sum") for k, v in counts.items()}
+        inner.train()
+        return L.summarize_counts({k: v.cpu() for k, v in counts.items()})
+
+    def save_checkpoint() -> None:
+        accelerator.wait_for_everyone()
+        if main:
+            state = {"format": CKPT_FORMAT, "config": fp, "shards": shards, "step": step,
+                     "tokens": tokens_done, "train_seconds": train_seconds,
+                     "heads": {k: v.detach().cpu() for k, v in inner.state_dict().items()},
+                     "optimizer": optimizer.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()}
+            atomic_write(ckpt_path, lambda tmp: torch.save(state, tmp))
+        accelerator.wait_for_everyone()
+
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.kind}", unit="step",
+               disable=not (main and cfg.progress), dynamic_ncols=True)
+    start_step = step
+    status = "finished"
+    win = _Window(cfg.num_heads)
+
+    def flush() -> None:
+        """Reduce the window over processes and write one log record (all ranks call it)."""
+        nonlocal tokens_done
+        if win.n == 0:
+            return
+        stats = torch.tensor([win.loss, win.n, win.tokens, win.seconds] + win.heads, dtype=torch.float64,
+                             device=accelerator.device)
+        stats = accelerator.reduce(stats, "sum")
+        tokens_done += int(stats[2])
+        rate = float(stats[2]) / max(float(stats[3]) / world, 1e-9)
+        rec = {"kind": "train", "step": step, "loss": round(float(stats[0] / stats[1]), 5),
+               "head_loss": [round(float(x / stats[1]), 4) for x in stats[4:]],
+               "lr": sched.get_last_lr()[0], "tokens": tokens_done, "tokens_per_s": round(rate, 1),
+               "time": round(train_seconds, 2)}
+        log.write(rec)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rate:.0f}")
+        win.reset()
+
+    while step < cfg.steps and status != "stopped":
+        epoch, within = divmod(step, steps_per_epoch)
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(train_rows), generator=g)[:steps_per_epoch * rows_per_step].tolist()
+        dl = DataLoader(Subset(train_ds, order), batch_size=cfg.batch_size, shuffle=False, collate_fn=collate)
+        dl = accelerator.prepare_data_loader(dl)
+        if within:
+            dl = accelerator.skip_first_batches(dl, within * cfg.grad_accum)
+        t0 = time.time()
+        for raw in dl:
+            with accelerator.accumulate(model):
+                batch = to_batch(raw, accelerator.device, **feature_kw)
+                with accelerator.autocast():
+                    feats = model(batch.hidden, batch.ids)
+                    loss, parts, _ = L.head_losses(inner.lm_logits, feats, batch, spec)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.grad_clip > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            win.add(float(loss.detach()), parts, batch.num_tokens)
+            if not accelerator.sync_gradients:
+                continue
+            sched.step()
+            step += 1
+            dt = time.time() - t0
+            train_seconds += dt
+            win.seconds += dt
+            bar.update(1)
+            stop = bool(cfg.stop_after) and step - start_step >= cfg.stop_after and step < cfg.steps
+            if step % cfg.log_every == 0 or step == cfg.steps or stop or step % cfg.save_every == 0:
+                flush()
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                ev = evaluate()
+                if ev is not None:
+                    log.write({"kind": "eval", "step": step, **ev})
+            if step % cfg.save_every == 0 or step == cfg.steps or stop:
+                save_checkpoint()
+            if stop:
+                status = "stopped"
+            if stop or step >= cfg.steps:
+                break
+            t0 = time.time()
+    bar.close()
+
+    summary = {"status": status, "step": step, "steps": cfg.steps, "kind": cfg.kind, "num_heads": cfg.num_heads,
+               "loss": cfg.loss, "tokens": tokens_done, "train_seconds": round(train_seconds, 2),
+               "tokens_per_s": round(tokens_done / max(train_seconds, 1e-9), 1),
+               "processes": world, "train_rows": len(train_rows), "val_rows": len(val_rows),
+               "train_reply_tokens": train_corpus.num_reply_tokens(),
+               "val_reply_tokens": val_corpus.num_reply_tokens(), "hidden_cache": bool(cache),
+               **peak_memory_mib(accelerator.device)}
+    if status == "finished":
+        final = evaluate()
+        if final is not None:
+            log.write({"kind": "eval", "step": step, **final})
+        summary["heldout"] = final
+        if main:
+            training = {k: v for k, v in fingerprint(cfg, world).items()}
+            training.update(step=step, tokens=tokens_done, backbone_model=cfg.model,
+                            data_shards={k: len(v) for k, v in shards.items()})
+            save_heads(inner, out / "heads", extra_config={"training": training, "heldout": final})
+    if main:
+        atomic_write_json(out / "summary.json", summary)
+    accelerator.wait_for_everyone()
+    return TrainResult(status, step, summary, inner)
+
+
+class _Window:
+    """Per-process sums since the last log record."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss, self.n, self.tokens, self.seconds = 0.0, 0, 0, 0.0
+        self.heads = [0.0] * self.K
+
+    def add(self, loss: float, parts: list[float], tokens: int) -> None:
+        self.loss += loss
+        self.n += 1
+        self.tokens += tokens
+        self.heads = [a + (0.0 if math.isnan(b) else b) for a, b in zip(self.heads, parts)]
+
+
+class _Log:
+    """Append-only JSONL training log, written by the main process."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def write(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """Drop log records after ``step`` (written by a run that was interrupted after its checkpoint)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    atomic_write(path, lambda tmp: tmp.write_text("".join(x + "\n" for x in keep)))

@@ -1,0 +1,198 @@
+"""The decoding loop at T = 0: speculative output == plain greedy output, for every head type,
+tree preset and backbone; vanilla == transformers generate; stopping; statistics."""
+
+import math
+
+import pytest
+import torch
+from tiny import OracleDrafter, tiny_backbone
+
+from cadence.drafter import HeadDrafter
+from cadence.engine import Engine, GenerationConfig
+from cadence.heads import new_heads
+from cadence.schedulers import StaticScheduler
+from cadence.trees import compile_tree, preset_names
+
+K = 3
+N = 32  # new tokens per generation
+PROMPT = "Write a poem about the sea."
+KINDS = ("medusa", "hydra", "mtp")
+PRESETS = preset_names(K)
+_refs: dict = {}
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def bb(request, llama, qwen2):
+    return {"llama": llama, "qwen2": qwen2}[request.param]
+
+
+def reference(bb, n=N, prompt=PROMPT):
+    """Plain greedy output (Engine without drafter), cached per backbone."""
+    key = (bb.name, n, prompt)
+    if key not in _refs:
+        ids = bb.encode_prompt(prompt, chat=True)
+        g = Engine(bb).generate(ids, GenerationConfig(max_new_tokens=n))
+        _refs[key] = (ids, g)
+    return _refs[key]
+
+
+def spec_engine(bb, drafter, tree):
+    sched = StaticScheduler.from_preset(tree, K) if isinstance(tree, str) else StaticScheduler(tree)
+    return Engine(bb, drafter, sched)
+
+
+def test_vanilla_stats(bb):
+    ids, g = reference(bb)
+    assert len(g.tokens) == N  # the tiny models do not hit EOS on this prompt
+    s = g.stats
+    assert s.new_tokens == N and s.steps == N and s.forwards == N - 1
+    assert s.tau == 1.0 and s.accepted_at_depth == []
+    assert len(s.step_log) == N - 1 and all(i.accepted == 0 and i.nodes == 1 for i in s.step_log)
+    assert g.text == bb.tokenizer.decode(g.tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_heads_equal_greedy_every_preset(bb, kind):
+    ids, ref = reference(bb)
+    heads = new_heads(kind, bb, K, random=True, seed=1)
+    for tree in PRESETS:
+        g = spec_engine(bb, HeadDrafter(heads), tree).generate(ids, GenerationConfig(max_new_tokens=N))
+        assert g.tokens == ref.tokens, (kind, tree)
+        assert g.text == ref.text
+        assert g.stats.new_tokens == N
+        assert g.stats.tau < 1.5, (kind, tree)  # random heads: (almost) nothing accepted
+        assert all(i.tree == tree for i in g.stats.step_log)
+
+
+@pytest.mark.parametrize("tree", PRESETS)
+def test_oracle_equals_greedy_and_accepts_everything(bb, tree):
+    ids, ref = reference(bb)
+    oracle = OracleDrafter(ref.tokens, len(ids), K, bb.vocab_size)
+    eng = spec_engine(bb, oracle, tree)
+    g = eng.generate(ids, GenerationConfig(max_new_tokens=N))
+    assert g.tokens == ref.tokens
+    D = eng.scheduler.choose().max_depth
+    s = g.stats
+    # every step commits D + 1 tokens except the last, which commits what is left
+    assert s.steps == math.ceil(N / (D + 1))
+    assert s.tau == pytest.approx(N / math.ceil(N / (D + 1)))
+    assert s.tau >= (D + 1) * 0.9
+    if D:
+        assert s.accepted_at_depth[D - 1] >= s.steps - 1
+    last = N - (D + 1) * (s.steps - 1)  # tokens of the last step; a lone root needs no forward
+    assert s.forwards == s.steps - (1 if last == 1 else 0)
+
+
+def test_oracle_non_first_rank_branch(bb):
+    """The right token is always the rank-1 candidate: accepted nodes are not contiguous."""
+    ids, ref = reference(bb)
+    paths = [(0,), (1,), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)]
+    oracle = OracleDrafter(ref.tokens, len(ids), K, bb.vocab_size, right_rank=1)
+    eng = spec_engine(bb, oracle, compile_tree(paths, name="rank1"))
+    g = eng.generate(ids, GenerationConfig(max_new_tokens=N))
+    assert g.tokens == ref.tokens
+    assert g.stats.steps == math.ceil(N / 4)
+
+
+def test_streamed_chunks_concatenate_to_generate(llama):
+    ids, ref = reference(llama)
+    oracle = OracleDrafter(ref.tokens, len(ids), K, llama.vocab_size)
+    eng = spec_engine(llama, oracle, "tree-8")
+    chunks = list(eng.stream(ids, GenerationConfig(max_new_tokens=N)))
+    assert [t for c in chunks for t in c] == ref.tokens
+    assert all(1 <= len(c) <= 4 for c in chunks)
+    assert len(chunks) == eng.last_stats.steps
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 9])
+def test_max_new_tokens_is_exact(llama, n):
+    ids, ref = reference(llama)
+    heads = new_heads("hydra", llama, K, random=True)
+    for drafter, tree in [(None, None), (OracleDrafter(ref.tokens, len(ids), K, llama.vocab_size), "chain"),
+                          (OracleDrafter(ref.tokens, len(ids), K, llama.vocab_size), "tree-16"),
+                          (HeadDrafter(heads), "tree-8")]:
+        eng = Engine(llama) if drafter is None else spec_engine(llama, drafter, tree)
+        g = eng.generate(ids, GenerationConfig(max_new_tokens=n))
+        assert g.tokens == ref.tokens[:n], (tree, n)
+        assert g.stats.new_tokens == n
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eos_stops_generation_identically(arch):
+    base = tiny_backbone(arch)
+    ids = base.encode_prompt(PROMPT, chat=True)
+    free = Engine(base).generate(ids, GenerationConfig(max_new_tokens=N)).tokens
+    stop_tok = free[9]  # make this token the EOS of the same weights
+    first = free.index(stop_tok)
+    bb = tiny_backbone(arch, eos=stop_tok)
+    assert bb.eos_token_ids == {stop_tok}
+    ref = Engine(bb).generate(ids, GenerationConfig(max_new_tokens=N))
+    assert ref.tokens == free[:first + 1]  # EOS included, nothing after it
+    heads = new_heads("mtp", bb, K, random=True)
+    for drafter, tree in [(HeadDrafter(heads), "tree-8"),
+                          (OracleDrafter(ref.tokens, len(ids), K, bb.vocab_size), "chain"),
+                          (OracleDrafter(ref.tokens, len(ids), K, bb.vocab_size), "tree-32")]:
+        g = spec_engine(bb, drafter, tree).generate(ids, GenerationConfig(max_new_tokens=N))
+        assert g.tokens == ref.tokens, tree
+        assert g.stats.new_tokens == len(ref.tokens)
+
+
+def test_stop_strings(llama):
+    ids, ref = reference(llama)
+    full = ref.text
+    assert len(full) > 12
+    stop = full[8:11]
+    cut = full[:full.index(stop)]
+    cfg = GenerationConfig(max_new_tokens=N, stop=(stop,))
+    g = Engine(llama).generate(ids, cfg)
+    assert g.text == cut and stop not in g.text
+    assert len(g.tokens) < N
+    oracle = OracleDrafter(ref.tokens, len(ids), K, llama.vocab_size)
+    g2 = spec_engine(llama, oracle, "chain").generate(ids, cfg)
+    assert g2.text == cut
+    assert g2.tokens == ref.tokens[:len(g2.tokens)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_vanilla_equals_transformers_generate(arch, llama, qwen2):
+    bb = {"llama": llama, "qwen2": qwen2}[arch]
+    for prompt, n in [(PROMPT, 40), ("x", 25), ("The quick brown fox jumps over the lazy dog", 30)]:
+        ids = bb.encode_prompt(prompt, chat=False)
+        ours = Engine(bb).generate(ids, GenerationConfig(max_new_tokens=n)).tokens
+        with torch.inference_mode():
+            out = bb.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=n, pad_token_id=257)
+        theirs = out[0, len(ids):].tolist()
+        assert ours == theirs, prompt
+
+
+def test_vanilla_equals_transformers_generate_with_eos():
+    bb0 = tiny_backbone("llama")
+    ids = bb0.encode_prompt(PROMPT, chat=True)
+    free = Engine(bb0).generate(ids, GenerationConfig(max_new_tokens=N)).tokens
+    bb = tiny_backbone("llama", eos=free[5])
+    ours = Engine(bb).generate(ids, GenerationConfig(max_new_tokens=N)).tokens
+    with torch.inference_mode():
+        out = bb.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                do_sample=False, max_new_tokens=N, pad_token_id=257)
+    assert ours == out[0, len(ids):].tolist()
+    assert ours[-1] == free[5] and len(ours) < N
+
+
+def test_head_drafter_greedy_drafts_are_head_argmax(llama):
+    """At T = 0 the HeadDrafter puts head k's rank-i token at rank i, along the node's own path."""
+    heads = new_heads("hydra", llama, K, random=True, seed=3)
+    tree = compile_tree([(0,), (1,), (0, 0), (1, 0), (1, 1)])
+    hidden = torch.randn(llama.hidden_size)
+    from cadence.sampling import SamplingParams
+    d = HeadDrafter(heads).draft(tree, 7, hidden, [1, 2, 3], SamplingParams(), None)
+    assert d.q is None and d.tokens[0] == 7
+    s0 = heads.init_state(hidden[None])
+    l1, s1 = heads.step(1, s0, torch.tensor([7]))
+    top = l1[0].topk(2).indices
+    assert d.tokens[1:3].tolist() == top.tolist()
+    for node, parent in [(3, 1), (4, 2)]:
+        l2, _ = heads.step(2, s1, d.tokens[parent][None])
+        top2 = l2[0].topk(2).indices.tolist()
+        for child in tree.children[parent]:
+            assert d.tokens[child] == top2[tree.ranks[child]]

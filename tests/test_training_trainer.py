@@ -1,0 +1,196 @@
+"""The trainer: frozen backbone, exact resume, atomic checkpoints, config checks, losses, cache, CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cadence.backbone import load_backbone
+from cadence.cli import main
+from cadence.errors import CadenceError
+from cadence.heads import load_heads
+from cadence.training.trainer import CHECKPOINT, LOG, load_checkpoint, train
+from test_training_support import base_config, cli_args, make_data, tiny_model_dir
+
+RESUME_KW = dict(steps=10, grad_accum=2, save_every=3, eval_every=5)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ttrain")
+    model = tiny_model_dir(root)
+    return {"root": root, "model": model, "data": make_data(root / "data"),
+            "backbone": load_backbone(str(model))}
+
+
+@pytest.fixture(scope="module")
+def reference(env):
+    """An uninterrupted run that resumed runs must match exactly."""
+    cfg = base_config(env["data"], env["root"] / "ref", env["model"], **RESUME_KW)
+    res = train(cfg, backbone=env["backbone"])
+    assert res.status == "finished" and res.step == 10
+    return {k: v.clone() for k, v in res.heads.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _steps(out: Path, kind: str = "train") -> list[int]:
+    return [r["step"] for r in map(json.loads, (out / LOG).read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_backbone_stays_frozen(env):
+    bb = env["backbone"]
+    before = {k: v.clone() for k, v in bb.model.state_dict().items()}
+    res = train(base_config(env["data"], env["root"] / "frozen", env["model"], steps=4), backbone=bb)
+    after = bb.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None and not p.requires_grad for p in bb.model.parameters())
+    from cadence.heads import new_heads
+    fresh = new_heads("hydra", bb, 3).state_dict()
+    assert not _same(fresh, res.heads.state_dict())  # the heads did learn
+    assert all(p.grad is None or p.grad.abs().sum() >= 0 for p in res.heads.parameters())
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(env, reference):
+    out = env["root"] / "resumed"
+    cfg = base_config(env["data"], out, env["model"], stop_after=4, **RESUME_KW)
+    first = train(cfg, backbone=env["backbone"])
+    assert first.status == "stopped" and first.step == 4
+    assert load_checkpoint(out / CHECKPOINT)["step"] == 4
+    assert not (out / "heads").exists()
+    cfg.stop_after = 0
+    second = train(cfg, backbone=env["backbone"])
+    assert second.status == "finished" and second.step == 10
+    assert _same(second.heads.state_dict(), reference)
+    steps = _steps(out)
+    assert steps == sorted(set(steps)) and steps[-1] == 10
+
+
+def test_crash_while_writing_checkpoint_leaves_previous_one(env, reference, monkeypatch):
+    out = env["root"] / "crash"
+    cfg = base_config(env["data"], out, env["model"], **{**RESUME_KW, "save_every": 2})
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, f, *a, **kw):
+        calls.append(f)
+        if len(calls) == 2:  # the checkpoint at step 4: half a file, then the disk "fills up"
+            Path(f).write_bytes(b"PK\x03\x04 half a checkpoint")
+            raise OSError("No space left on device")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="No space"):
+        train(cfg, backbone=env["backbone"])
+    monkeypatch.setattr(torch, "save", real_save)
+    assert load_checkpoint(out / CHECKPOINT)["step"] == 2  # the previous checkpoint, intact
+    assert [p.name for p in out.iterdir() if "tmp" in p.name] == []
+    res = train(cfg, backbone=env["backbone"])
+    assert res.step == 10 and _same(res.heads.state_dict(), reference)
+    steps = _steps(out)
+    assert steps == sorted(set(steps))  # records after the last checkpoint were dropped, not duplicated
+
+
+def test_resume_with_other_settings_is_refused(env, capsys):
+    out = env["root"] / "refuse"
+    cfg = base_config(env["data"], out, env["model"], steps=6, stop_after=2)
+    train(cfg, backbone=env["backbone"])
+    other = base_config(env["data"], out, env["model"], steps=6, lr=1e-2)
+    with pytest.raises(CadenceError, match="other settings.*lr"):
+        train(other, backbone=env["backbone"])
+    assert main(cli_args(other)) == 2
+    assert "other settings" in capsys.readouterr().err
+    fresh = base_config(env["data"], out, env["model"], steps=6, resume=False)
+    with pytest.raises(CadenceError, match="already holds a checkpoint"):
+        train(fresh, backbone=env["backbone"])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(kind="medusa"),
+    dict(kind="mtp", bf16=True),
+    dict(loss="ce+adamtp", adamtp_c=0.5, adamtp_window=4),
+    dict(loss="ce", target="backbone"),
+    dict(loss="kl"),
+    dict(loss="kl+adamtp", teacher="topk"),
+], ids=["medusa", "mtp-bf16", "adamtp", "target-backbone", "kl", "kl-topk-adamtp"])
+def test_loss_and_head_variants(env, kw):
+    data = env["data"]
+    if kw.get("teacher") == "topk":
+        data = make_data(env["root"] / "data-topk", topk=4)
+    out = env["root"] / ("var-" + "-".join(f"{k}{v}" for k, v in kw.items()).replace("+", ""))
+    res = train(base_config(data, out, env["model"], steps=4, eval_every=0, **kw), backbone=env["backbone"])
+    recs = [json.loads(x) for x in (out / LOG).read_text().splitlines()]
+    losses = [r["loss"] for r in recs if r["kind"] == "train"]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    assert len(res.summary["heldout"]["top1"]) == 3
+    assert (out / "heads" / "heads.safetensors").is_file()
+
+
+def test_topk_teacher_without_stored_logits_is_an_error(env):
+    cfg = base_config(env["data"], env["root"] / "notopk", env["model"], loss="kl", teacher="topk")
+    with pytest.raises(CadenceError, match="top-k logits"):
+        train(cfg, backbone=env["backbone"])
+
+
+def test_hidden_cache_trains_without_backbone_forward(env, monkeypatch):
+    cache = env["root"] / "cache"
+    bb = env["backbone"]
+    r = train(base_config(env["data"], env["root"] / "c0", env["model"], cache_hidden=str(cache), cache_only=True),
+              backbone=bb)
+    assert r.status == "cached" and (cache / "cache.json").is_file()
+
+    def no_forward(*a, **kw):
+        raise AssertionError("the backbone ran although its hidden states are cached")
+
+    monkeypatch.setattr(bb, "forward", no_forward)
+    for kind in ("medusa", "hydra"):
+        res = train(base_config(env["data"], env["root"] / f"c-{kind}", env["model"], kind=kind, steps=4,
+                                loss="ce+adamtp", target="backbone", cache_hidden=str(cache)), backbone=bb)
+        assert res.status == "finished" and res.summary["hidden_cache"]
+    monkeypatch.undo()
+    other = load_backbone(str(tiny_model_dir(env["root"] / "alt", seed=1, name=env["model"].name)))
+    with pytest.raises(CadenceError, match="made by backbone"):
+        train(base_config(env["data"], env["root"] / "c-other", env["model"], cache_hidden=str(cache)),
+              backbone=other)
+
+
+def test_cli_train_end_to_end(env, capsys):
+    out = env["root"] / "cli"
+    cfg = base_config(env["data"], out, env["model"], steps=6)
+    assert main(cli_args(cfg)) == 0
+    err = capsys.readouterr().err
+    assert "finished at step 6/6" in err and "held-out top-1" in err
+    heads = load_heads(out / "heads", load_backbone(str(env["model"])))
+    assert heads.cfg.kind == "hydra" and heads.K == 3
+    conf = json.loads((out / "heads" / "config.json").read_text())
+    assert conf["training"]["loss"] == "ce" and conf["training"]["step"] == 6
+    assert len(conf["heldout"]["top1"]) == 3 and "tau" in conf["heldout"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens_per_s"] > 0 and summary["max_rss_mib"] > 0
+    assert _steps(out, "eval")[-1] == 6
+
+
+def test_cli_bad_input(env, tmp_path, capsys):
+    cfg = base_config(tmp_path / "nowhere", tmp_path / "o1", env["model"])
+    assert main(cli_args(cfg)) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    data = make_data(tmp_path / "bad")
+    next(data.glob("shard-*.safetensors")).write_bytes(b"\x00" * 40)
+    assert main(cli_args(base_config(data, tmp_path / "o2", env["model"]))) == 2
+    assert "corrupt" in capsys.readouterr().err
+    assert main(cli_args(base_config(env["data"], tmp_path / "o3", env["model"], kind="eagle"))) == 2
+    assert "unknown head type" in capsys.readouterr().err
+
+
+def test_cli_distill_tiny(env, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "distill"
+    rc = main(["distill", "--out", str(out), "--sources", str(prompts), "--model", str(env["model"]),
+               "--max-prompts", "3", "--max-new-tokens", "4", "--batch-size", "2", "--shard-prompts", "2",
+               "--device", "cpu"])
+    assert rc == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["prompts_done"] == 3 and manifest["shards"]
