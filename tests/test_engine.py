@@ -2,6 +2,7 @@
 tree preset and backbone; vanilla == transformers generate; stopping; statistics."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -92,6 +93,19 @@ def test_oracle_non_first_rank_branch(bb):
     g = eng.generate(ids, GenerationConfig(max_new_tokens=N))
     assert g.tokens == ref.tokens
     assert g.stats.steps == math.ceil(N / 4)
+
+
+@pytest.mark.parametrize("tree", ["tree-8", "tree-64"])
+def test_partial_acceptance_equals_greedy(bb, tree):
+    """The right token sits at a varying rank, sometimes outside the tree: paths of every length."""
+    ids, ref = reference(bb)
+    rng = random.Random(5)
+    ranks = [rng.choice([0, 0, 1, 2, 11]) for _ in range(N + 8)]  # rank 11 is in neither tree
+    oracle = OracleDrafter(ref.tokens, len(ids), K, bb.vocab_size, right_rank=lambda i: ranks[i])
+    g = spec_engine(bb, oracle, tree).generate(ids, GenerationConfig(max_new_tokens=N))
+    assert g.tokens == ref.tokens
+    accepted = {i.accepted for i in g.stats.step_log}
+    assert 0 in accepted and max(accepted) >= 2
 
 
 def test_streamed_chunks_concatenate_to_generate(llama):
@@ -196,3 +210,58 @@ def test_head_drafter_greedy_drafts_are_head_argmax(llama):
         top2 = l2[0].topk(2).indices.tolist()
         for child in tree.children[parent]:
             assert d.tokens[child] == top2[tree.ranks[child]]
+
+
+def test_typical_with_greedy_drafts_at_t0_equals_greedy(llama):
+    """The argmax always passes the typical threshold (p_max >= exp(-H) > alpha exp(-H))."""
+    from cadence.verify import Rule
+    ids, ref = reference(llama)
+    oracle = OracleDrafter(ref.tokens, len(ids), K, llama.vocab_size)
+    g = spec_engine(llama, oracle, "tree-8").generate(ids, GenerationConfig(max_new_tokens=N, rule=Rule.TYPICAL))
+    assert g.tokens == ref.tokens and g.stats.tau == pytest.approx(N / math.ceil(N / 4))
+
+
+def test_bfloat16_backbone_tree_decoding():
+    from cadence.backbone import Backbone
+    base = tiny_backbone("qwen2")
+    bb = Backbone(base.model.to(torch.bfloat16), base.tokenizer, name="tiny-qwen2-bf16")
+    ids = bb.encode_prompt("Once upon a time", chat=True)
+    ref = Engine(bb).generate(ids, GenerationConfig(max_new_tokens=N)).tokens
+    g = spec_engine(bb, OracleDrafter(ref, len(ids), K, bb.vocab_size), "tree-16").generate(
+        ids, GenerationConfig(max_new_tokens=N))
+    assert len(g.tokens) == len(ref) and g.stats.tau > 2.5
+    heads = new_heads("hydra", bb, K, random=True).to(torch.bfloat16)
+    g = spec_engine(bb, HeadDrafter(heads), "tree-8").generate(ids, GenerationConfig(max_new_tokens=N, temperature=0.7))
+    assert len(g.tokens) == N or g.tokens[-1] in bb.eos_token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_default_model_random_heads_equal_greedy(kind):
+    """The real default model (SmolLM2-135M, converted from the GGUF on first use)."""
+    pytest.importorskip("gguf")
+    from cadence.backbone import load_backbone
+    try:
+        bb = load_backbone("smollm2", "float32", "cpu")
+    except Exception as exc:  # noqa: BLE001 - the package may be missing on this machine
+        pytest.skip(f"default model unavailable: {exc}")
+    ids = bb.encode_prompt("What is the capital of France?", chat=True)
+    cfg = GenerationConfig(max_new_tokens=24)
+    ref = Engine(bb).generate(ids, cfg)
+    heads = new_heads(kind, bb, K, random=True)
+    for tree in ("chain", "tree-16"):
+        assert spec_engine(bb, HeadDrafter(heads), tree).generate(ids, cfg).tokens == ref.tokens
+    oracle = OracleDrafter(ref.tokens, len(ids), K, bb.vocab_size)
+    g = spec_engine(bb, oracle, "tree-64").generate(ids, cfg)
+    assert g.tokens == ref.tokens and g.stats.tau > 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_draft_vocabulary_keeps_greedy_output(bb, kind):
+    """Heads restricted to a draft vocabulary that holds the reference tokens: still identical."""
+    ids, ref = reference(bb)
+    subset = torch.tensor(sorted(set(ref.tokens) | {0, 1, 2}))
+    heads = new_heads(kind, bb, K, random=True).set_draft_vocab(subset)
+    for tree in ("chain", "tree-16"):
+        g = spec_engine(bb, HeadDrafter(heads), tree).generate(ids, GenerationConfig(max_new_tokens=N))
+        assert g.tokens == ref.tokens

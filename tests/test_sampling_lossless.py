@@ -163,3 +163,12 @@ def test_seeded_sampling_is_deterministic(kind):
         toks = eng.generate(ids, cfg).tokens
         assert outs.setdefault(seed, toks) == toks, f"seed {seed} gave two different outputs"
     assert len({tuple(v) for v in outs.values()}) > 1  # different seeds, different samples
+
+
+def test_draft_vocabulary_sampling_is_lossless(small):
+    """Heads that can only draft 4 of the 8 tokens (q is zero elsewhere): still plain sampling."""
+    bb = small["llama"]
+    heads = new_heads("hydra", bb, 3, random=True, seed=3).set_draft_vocab(torch.tensor([0, 2, 5, 6]))
+    eng = Engine(bb, HeadDrafter(heads), StaticScheduler.from_preset("tree-4", 3))
+    tau = check_lossless(eng, bb, GenerationConfig(temperature=1.0), n=600)
+    assert tau > 1.0

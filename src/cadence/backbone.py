@@ -233,6 +233,8 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
     except ValueError as exc:
         raise CadenceError(f"{name} ({config.model_type}) is not a causal LM: {exc}") from exc
+    except Exception as exc:  # missing or corrupt weight files (OSError, SafetensorError, ...)
+        raise CadenceError(f"cannot load the model weights in {path}: {exc}") from exc
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception:

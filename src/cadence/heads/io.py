@@ -69,7 +69,10 @@ def load_heads(directory: str | Path, backbone, dtype: torch.dtype | None = None
             f"vocab {backbone.vocab_size}")
     if cfg.backbone != backbone.name:
         raise CadenceError(f"heads in {directory} were trained for {cfg.backbone!r}, not {backbone.name!r}")
-    heads = head_class(cfg.kind)(cfg)
+    try:
+        heads = head_class(cfg.kind)(cfg)
+    except (TypeError, ValueError) as exc:  # e.g. "num_heads": "two"
+        raise CadenceError(f"{cfg_path} is malformed: {exc}") from exc
     try:
         state = load_file(str(w_path))
         if "draft_vocab" in state:

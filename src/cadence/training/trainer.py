@@ -260,11 +260,23 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
         optimizer, lambda s: L.lr_lambda(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model).heads
+    from accelerate.utils import DistributedType
+
+    # DeepSpeed / FSDP may shard parameters and optimizer state: their checkpoints go through
+    # accelerator.save_state into a step-named directory that checkpoint.pt then points to.
+    sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
 
     step, tokens_done, train_seconds = 0, 0, 0.0
     if ckpt is not None:
-        inner.load_state_dict(ckpt["heads"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("state_dir"):
+            if not sharded:
+                raise CadenceError(f"{ckpt_path} was written by a DeepSpeed/FSDP run; resume it the same way")
+            accelerator.load_state(str(out / ckpt["state_dir"]))
+        else:
+            if sharded:
+                raise CadenceError(f"{ckpt_path} was written without DeepSpeed/FSDP; resume it the same way")
+            inner.load_state_dict(ckpt["heads"])
+            optimizer.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
         step, tokens_done, train_seconds = ckpt["step"], ckpt["tokens"], ckpt["train_seconds"]
         _set_rng_state(ckpt["rng"])
@@ -292,7 +304,7 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
     def evaluate() -> dict | None:
         if not len(val_ds):
             return None
-        inner.eval()
+        model.eval()
         counts = None
         eval_target = "backbone" if need_argmax else "token"
         with torch.no_grad(), accelerator.autocast():
@@ -300,24 +312,35 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
             for i in range(0, len(mine), cfg.batch_size):
                 idx = mine[i:i + cfg.batch_size]
                 batch = to_batch(collate([val_ds[j] for j in idx]), accelerator.device, **feature_kw)
-                feats = inner.train_features(batch.hidden, batch.ids)
+                feats = model(batch.hidden, batch.ids)
                 c = L.chain_counts(inner.lm_logits, feats, batch, eval_target, cfg.loss_chunk)
                 counts = c if counts is None else {k: counts[k] + c[k] for k in c}
         if counts is None:
             counts = {k: torch.zeros(cfg.num_heads, dtype=torch.float64, device=accelerator.device)
                       for k in ("n", "top1", "top5", "chain")}
         counts = {k: accelerator.reduce(v, "sum") for k, v in counts.items()}
-        inner.train()
+        model.train()
         return L.summarize_counts({k: v.cpu() for k, v in counts.items()})
 
     def save_checkpoint() -> None:
         accelerator.wait_for_everyone()
+        state = {"format": CKPT_FORMAT, "config": fp, "shards": shards, "step": step,
+                 "tokens": tokens_done, "train_seconds": train_seconds,
+                 "scheduler": sched.state_dict(), "rng": _rng_state()}
+        if sharded:
+            state["state_dir"] = f"state-{step:08d}"
+            accelerator.save_state(str(out / state["state_dir"]))  # every rank writes its shard
+            accelerator.wait_for_everyone()
+        else:
+            state["heads"] = {k: v.detach().cpu() for k, v in inner.state_dict().items()}
+            state["optimizer"] = optimizer.state_dict()
         if main:
-            state = {"format": CKPT_FORMAT, "config": fp, "shards": shards, "step": step,
-                     "tokens": tokens_done, "train_seconds": train_seconds,
-                     "heads": {k: v.detach().cpu() for k, v in inner.state_dict().items()},
-                     "optimizer": optimizer.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()}
             atomic_write(ckpt_path, lambda tmp: torch.save(state, tmp))
+            if sharded:  # older state directories (and any left half-written by a crash) go
+                import shutil
+                for d in out.glob("state-*"):
+                    if d.name != state["state_dir"]:
+                        shutil.rmtree(d, ignore_errors=True)
         accelerator.wait_for_everyone()
 
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.kind}", unit="step",
@@ -401,6 +424,13 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
         if final is not None:
             log.write({"kind": "eval", "step": step, **final})
         summary["heldout"] = final
+        if sharded:  # gather full weights into plain heads
+            from cadence.heads.io import head_class
+
+            full = accelerator.get_state_dict(model)
+            final_heads = head_class(cfg.kind)(inner.cfg)
+            final_heads.load_state_dict({k.removeprefix("heads."): v for k, v in full.items()})
+            inner = final_heads.bind(backbone)
         if main:
             training = {k: v for k, v in fingerprint(cfg, world).items()}
             training.update(step=step, tokens=tokens_done, backbone_model=cfg.model,

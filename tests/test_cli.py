@@ -1,0 +1,197 @@
+"""``cadence generate`` end to end on a tiny saved model, and its error paths (exit 2, one line)."""
+
+import json
+
+import pytest
+from tiny import save_tiny
+
+from cadence.backbone import load_backbone
+from cadence.cli import main
+from cadence.engine import Engine, GenerationConfig
+from cadence.heads import new_heads, save_heads
+
+PROMPT = "Write a poem about the sea."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models") / "tiny-model"
+    save_tiny(d, "llama")
+    return d
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return load_backbone(str(model_dir), "float32", "cpu")
+
+
+def run(capsys, *argv):
+    rc = main(["generate", *map(str, argv)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def json_lines(stdout):
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+def expected_text(bb, prompt, n):
+    ids = bb.encode_prompt(prompt, chat=True)
+    return Engine(bb).generate(ids, GenerationConfig(max_new_tokens=n)).text
+
+
+def test_loaded_model_is_the_saved_one(loaded, model_dir):
+    assert loaded.name == "tiny-model" and loaded.hidden_size == 64 and loaded.vocab_size == 260
+    assert loaded.tokenizer is not None and loaded.tokenizer.chat_template
+    assert loaded.eos_token_ids == {256}
+
+
+def test_generate_json_vanilla(capsys, model_dir, loaded):
+    rc, out, err = run(capsys, "--model", model_dir, "--prompt", PROMPT, "--method", "vanilla",
+                       "--max-new-tokens", 12, "--json")
+    assert rc == 0, err
+    [rec] = json_lines(out)
+    assert rec["prompt"] == PROMPT and rec["method"] == "vanilla" and rec["heads"] is None
+    assert rec["tree"] == "root" and rec["new_tokens"] == 12 and rec["steps"] == 12 and rec["tau"] == 1.0
+    assert rec["text"] == expected_text(loaded, PROMPT, 12)
+
+
+@pytest.mark.parametrize("method, tree", [("hydra", "tree-8"), ("medusa", "chain"), ("mtp", "tree-16")])
+def test_generate_json_random_heads_is_lossless(capsys, model_dir, loaded, method, tree):
+    rc, out, err = run(capsys, "--model", model_dir, "--prompt", PROMPT, "--method", method, "--heads", "random",
+                       "--tree", tree, "--max-new-tokens", 16, "--json")
+    assert rc == 0, err
+    [rec] = json_lines(out)
+    assert rec["method"] == method and rec["heads"] == "random" and rec["tree"] == tree
+    assert rec["new_tokens"] == 16 and rec["steps"] <= 16
+    assert rec["text"] == expected_text(loaded, PROMPT, 16)
+
+
+def test_generate_with_saved_heads_and_prompt_file(capsys, tmp_path, model_dir, loaded):
+    save_heads(new_heads("mtp", loaded, 2, random=True), tmp_path / "heads")
+    pf = tmp_path / "prompts.jsonl"
+    prompts = ["First prompt", "Second one, longer"]
+    pf.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n\n")
+    rc, out, err = run(capsys, "--model", model_dir, "--prompt-file", pf, "--method", "mtp",
+                       "--heads", tmp_path / "heads", "--tree", "chain", "--max-new-tokens", 10, "--json")
+    assert rc == 0, err
+    recs = json_lines(out)
+    assert [r["prompt"] for r in recs] == prompts
+    for r in recs:
+        assert r["text"] == expected_text(loaded, r["prompt"], 10) and r["tree"] == "chain"
+
+
+def test_generate_streams_text(capsys, model_dir, loaded):
+    rc, out, err = run(capsys, "--model", model_dir, "--prompt", PROMPT, "--method", "hydra", "--heads", "random",
+                       "--tree", "tree-4", "--max-new-tokens", 12)
+    assert rc == 0, err
+    assert out.rstrip("\n") == expected_text(loaded, PROMPT, 12)
+    assert "12 tokens" in err and "tau" in err
+
+
+def test_sampling_flags_and_seed(capsys, model_dir):
+    args = ["--model", model_dir, "--prompt", PROMPT, "--method", "medusa", "--heads", "random",
+            "--tree", "tree-8", "--max-new-tokens", 14, "--temperature", 0.9, "--top-p", 0.9, "--json"]
+    texts = []
+    for seed in (3, 3):
+        rc, out, err = run(capsys, *args, "--seed", seed)
+        assert rc == 0, err
+        texts.append(json_lines(out)[0]["text"])
+    assert texts[0] == texts[1]
+
+
+def _assert_error(rc, out, err, fragment):
+    assert rc == 2
+    assert "Traceback" not in err
+    # transformers may draw a weight-loading progress bar first; the error is one line at the end
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("cadence: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    assert fragment in errors[0], err
+
+
+def test_error_missing_model(capsys, tmp_path):
+    _assert_error(*run(capsys, "--model", tmp_path / "nope", "--prompt", "hi"), "does not exist")
+
+
+def test_error_unsupported_file(capsys, tmp_path):
+    f = tmp_path / "model.txt"
+    f.write_text("hello")
+    _assert_error(*run(capsys, "--model", f, "--prompt", "hi"), "unsupported model file 'model.txt'")
+
+
+def test_error_dir_without_config(capsys, tmp_path):
+    _assert_error(*run(capsys, "--model", tmp_path, "--prompt", "hi"), "has no config.json")
+
+
+def test_error_corrupt_gguf(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("CADENCE_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"GGUF\x03\x00\x00\x00 definitely not a model")
+    _assert_error(*run(capsys, "--model", f, "--prompt", "hi"), "could not read GGUF")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\n\t"])
+def test_error_empty_prompt(capsys, model_dir, prompt):
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", prompt, "--method", "vanilla"), "empty prompt")
+
+
+def test_error_prompt_files(capsys, model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": broken\n')
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt-file", bad, "--method", "vanilla"),
+                  "bad.jsonl:2: not valid JSON")
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"text": "no prompt key"}\n')
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt-file", wrong, "--method", "vanilla"),
+                  "wrong.jsonl:1: expected")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt-file", empty, "--method", "vanilla"),
+                  "holds no prompts")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt-file", tmp_path / "missing.jsonl",
+                       "--method", "vanilla"), "does not exist")
+
+
+def test_error_heads_for_another_backbone(capsys, model_dir, tmp_path):
+    from tiny import tiny_backbone
+    other = tiny_backbone("qwen2", hidden=32)
+    save_heads(new_heads("hydra", other, 2), tmp_path / "h")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", tmp_path / "h"),
+                  "were made for tiny-qwen2")
+    same_shape = tiny_backbone("qwen2")  # same sizes, another name
+    save_heads(new_heads("hydra", same_shape, 2), tmp_path / "h2")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads",
+                       tmp_path / "h2"), "trained for 'tiny-qwen2', not 'tiny-model'")
+
+
+def test_error_heads_of_another_kind_or_missing(capsys, model_dir, loaded, tmp_path):
+    save_heads(new_heads("hydra", loaded, 2), tmp_path / "h")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "medusa", "--heads",
+                       tmp_path / "h"), "holds hydra heads, but --method is medusa")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "medusa", "--heads",
+                       tmp_path / "nothing"), "not a heads directory")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra"),
+                  "no hydra heads are shipped for tiny-model")
+
+
+def test_error_bad_tree_dtype_and_length(capsys, model_dir):
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", "random",
+                       "--tree", "tree-5"), "unknown tree 'tree-5'")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", "random",
+                       "--tree", "chain-7"), "needs 7 heads")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--dtype", "float8"), "unknown dtype")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "vanilla",
+                       "--max-new-tokens", 600), "exceeds the model's 512 positions")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "vanilla",
+                       "--max-new-tokens", 0), "max_new_tokens must be at least 1")
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hi", "--method", "eagle"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["generate"])  # a prompt source is required
+    assert exc.value.code == 2
