@@ -249,3 +249,49 @@ def test_lr_schedule():
     assert L.lr_lambda(55, 10, 100) == pytest.approx(0.5)
     assert L.lr_lambda(100, 10, 100) == pytest.approx(0.0)
     assert L.lr_lambda(100, 10, 100, min_ratio=0.1) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("mode", ["ce", "kl", "topk"])
+def test_fused_loss_matches_checkpointed(mode):
+    g = torch.Generator().manual_seed(5)
+    lm = torch.nn.Linear(8, 40)
+    lm.requires_grad_(False)
+    f1 = torch.randn(11, 8, generator=g, requires_grad=True)
+    f2 = f1.detach().clone().requires_grad_(True)
+    if mode == "ce":
+        aux = (torch.randint(0, 40, (11,), generator=g),)
+        ref = L.chunked_ce(lm, f2, *aux, chunk=4)
+    elif mode == "kl":
+        aux = (torch.randn(11, 8, generator=g),)
+        ref = L.chunked_kl(lm, f2, *aux, chunk=4)
+    else:
+        aux = (torch.stack([torch.randperm(40, generator=g)[:5] for _ in range(11)]), torch.randn(11, 5, generator=g))
+        ref = L.chunked_kl_topk(lm, f2, *aux, chunk=4)
+    got = L.fused_loss(lm, f1, mode, *aux, chunk=3)
+    assert torch.allclose(got, ref, atol=1e-4)
+    (2 * got).backward()
+    (2 * ref).backward()
+    assert torch.allclose(f1.grad, f2.grad, atol=1e-5)
+
+
+def test_fused_loss_bf16_autocast_close():
+    g = torch.Generator().manual_seed(6)
+    lm = torch.nn.Linear(16, 64, bias=False)
+    f = torch.randn(20, 16, generator=g, requires_grad=True)
+    tgt = torch.randint(0, 64, (20,), generator=g)
+    ref = L.chunked_ce(lm, f, tgt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = L.fused_loss(lm, f, "ce", tgt, chunk=7)
+    assert got.item() == pytest.approx(ref.item(), rel=2e-2)
+
+
+def test_head_losses_fused_equals_callable():
+    g = torch.Generator().manual_seed(7)
+    ids, seg, reply = _row()
+    lm = torch.nn.Linear(5, 30)
+    lm.requires_grad_(False)
+    batch = L.Batch(ids=ids % 30, seg=seg, reply=reply)
+    feats = [torch.randn(1, ids.shape[1] - 1 - k, 5, generator=g) for k in (1, 2)]
+    a = L.head_losses(lm, feats, batch, L.LossSpec())[0]
+    b = L.head_losses(lambda x: lm(x), feats, batch, L.LossSpec())[0]
+    assert a.item() == pytest.approx(b.item(), rel=1e-5)

@@ -182,6 +182,8 @@ def test_cli_bad_input(env, tmp_path, capsys):
     assert "corrupt" in capsys.readouterr().err
     assert main(cli_args(base_config(env["data"], tmp_path / "o3", env["model"], kind="eagle"))) == 2
     assert "unknown head type" in capsys.readouterr().err
+    assert main(cli_args(base_config(env["data"], tmp_path / "o4", env["model"], save_every=0))) == 2
+    assert "--save-every must be at least 1" in capsys.readouterr().err
 
 
 def test_cli_distill_tiny(env, tmp_path):

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the weight-loading bar hides our own output
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

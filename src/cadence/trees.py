@@ -101,7 +101,7 @@ def preset(name: str, max_depth: int) -> list[Path]:
             raise CadenceError(f"tree {name!r} needs {d} heads; these heads have {max_depth}")
         return chain(d)
     if name.startswith("tree-") and name[5:].isdigit() and int(name[5:]) in SPARSE_SIZES:
-        return grow_tree(prior_acceptance(max_depth), int(name[5:]))
+        return grow_tree(prior_acceptance(max_depth, ranks=int(name[5:])), int(name[5:]))
     raise CadenceError(f"unknown tree {name!r}; presets: {', '.join(preset_names(max_depth))}")
 
 

@@ -256,3 +256,39 @@ def run_distill(cfg: DistillConfig, backbone=None) -> dict:
         writer.flush(buf, done)
     bar.close()
     return manifest
+
+
+def merge_datasets(out: str | Path, sources: list[tuple[str | Path, int | None]],
+                   val_from: int | None = 0) -> dict:
+    """Make ``out`` a dataset whose shards are links to the shards of several others.
+
+    ``sources`` is a list of (directory, max train shards or None for all). Validation
+    shards come only from source ``val_from`` (the data decoding will look like, e.g.
+    self-distilled greedy replies), so held-out accuracy measures what matters.
+    The new manifest's config records the sources' configs; nothing is copied.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, configs = [], []
+    for i, (src, limit) in enumerate(sources):
+        src = Path(src).resolve()
+        manifest = load_manifest(src)
+        if manifest is None:
+            raise CadenceError(f"{src} has no manifest.json")
+        configs.append({"dir": str(src), "config": manifest["config"], "max_train_shards": limit})
+        n_train = 0
+        for s in manifest["shards"]:
+            if s["split"] == "train":
+                if limit is not None and n_train >= limit:
+                    continue
+                n_train += 1
+            elif i != val_from:
+                continue
+            name = f"src{i}-{s['file']}"
+            link = out / name
+            if not link.exists():
+                link.symlink_to(src / s["file"])
+            shards.append({**s, "file": name})
+    manifest = {"config": {"merged": configs}, "prompts_done": 0, "skipped": 0, "shards": shards, "seconds": 0.0}
+    atomic_write_json(out / MANIFEST, manifest)
+    return manifest

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cadence.errors import CadenceError
@@ -244,6 +245,105 @@ def chunked_kl_topk(lm, feats: torch.Tensor, t_ids: torch.Tensor, t_logits: torc
     return _chunked(_kl_topk_sum, lm, feats, t_ids, t_logits, chunk=chunk)
 
 
+# --------------------------------------------------------------------------- fused LM head + loss
+
+_WEIGHT_CACHE: dict = {}
+
+
+def _weight_as(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (frozen) LM-head weight in ``dtype``, converted once and kept while unchanged."""
+    if weight.dtype == dtype:
+        return weight
+    key = (weight.data_ptr(), weight._version, dtype, tuple(weight.shape))
+    if _WEIGHT_CACHE.get("key") != key:
+        _WEIGHT_CACHE.clear()
+        _WEIGHT_CACHE.update(key=key, value=weight.detach().to(dtype))
+    return _WEIGHT_CACHE["value"]
+
+
+def _log_softmax_(z: torch.Tensor) -> torch.Tensor:
+    """In-place log-softmax over the last axis (float32), in few passes over memory."""
+    z.sub_(z.amax(-1, keepdim=True))
+    lse = z.exp().sum(-1, keepdim=True).log_()
+    return z.sub_(lse)
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """Sum of a per-row loss of ``feats @ W.T (+ b)`` with its gradient computed in the forward.
+
+    Each chunk's logits live only inside the loop: the forward computes the loss and
+    d loss / d feats (two matmuls per chunk), the backward only scales the stored gradient.
+    Modes: ``ce`` (aux = targets), ``kl`` (aux = teacher features through the same head),
+    ``topk`` (aux = teacher ids, teacher logits).
+    """
+
+    @staticmethod
+    def forward(ctx, feats, weight, bias, mode, chunk, compute_dtype, *aux):
+        W = _weight_as(weight, compute_dtype)
+        grad = torch.empty(feats.shape, dtype=torch.float32, device=feats.device)
+        total = torch.zeros((), dtype=torch.float64, device=feats.device)
+        dev_type = feats.device.type
+        with torch.autocast(dev_type, enabled=False):
+            for i in range(0, feats.shape[0], chunk):
+                f = feats[i:i + chunk].to(compute_dtype)
+                z = (f @ W.T).float()
+                if bias is not None:
+                    z += bias.float()
+                if mode == "ce":
+                    tgt = aux[0][i:i + chunk]
+                    z.sub_(z.amax(-1, keepdim=True))
+                    zt = z.gather(-1, tgt[:, None])[:, 0]
+                    z.exp_()
+                    s = z.sum(-1, keepdim=True)
+                    total += (s[:, 0].log() - zt).sum().double()
+                    z.mul_(1.0 / s)  # q
+                    z[torch.arange(z.shape[0], device=z.device), tgt] -= 1.0  # q - onehot
+                elif mode == "kl":
+                    tz = (aux[0][i:i + chunk].to(compute_dtype) @ W.T).float()
+                    if bias is not None:
+                        tz += bias.float()
+                    logp = _log_softmax_(tz)
+                    logq = _log_softmax_(z)
+                    p = logp.exp()
+                    total += (p * (logp - logq)).sum().double()
+                    z = logq.exp_().sub_(p)  # q - p
+                else:  # topk
+                    ids, tl = aux[0][i:i + chunk], aux[1][i:i + chunk]
+                    logp = torch.log_softmax(tl.float(), -1)
+                    p = logp.exp()
+                    logq = _log_softmax_(z)
+                    total += (p * (logp - logq.gather(-1, ids))).sum().double()
+                    z = logq.exp_()
+                    z.scatter_add_(-1, ids, -p)  # q - p (p renormalised over the stored top-k)
+                grad[i:i + chunk] = (z.to(compute_dtype) @ W).float()
+        ctx.save_for_backward(grad)
+        ctx.feats_dtype = feats.dtype
+        return total.float()
+
+    @staticmethod
+    def backward(ctx, gout):
+        (grad,) = ctx.saved_tensors
+        return (grad * gout).to(ctx.feats_dtype),  None, None, None, None, None, *([None] * 2)
+
+
+def fused_loss(lm_head: nn.Linear, feats: torch.Tensor, mode: str, *aux: torch.Tensor,
+               chunk: int = 1024) -> torch.Tensor:
+    """Sum over rows of the ``mode`` loss (ce | kl | topk) of ``lm_head(feats)``.
+
+    Same value and gradient as ``chunked_ce`` / ``chunked_kl`` / ``chunked_kl_topk``, but the
+    gradient is formed chunk by chunk in the forward (two LM-head matmuls per chunk instead of
+    three, no logits kept). Matmuls run in the autocast dtype when autocast is on (bf16 uses
+    AMX on recent Xeons), softmax arithmetic in float32.
+    """
+    dev_type = feats.device.type
+    if torch.is_autocast_enabled(dev_type):
+        compute = torch.get_autocast_dtype(dev_type)
+    else:
+        compute = lm_head.weight.dtype
+    aux = tuple(aux) + (None,) * (2 - len(aux))
+    return _FusedHeadLoss.apply(feats, lm_head.weight, lm_head.bias, mode, chunk, compute, *aux)
+
+
 @dataclass
 class LossSpec:
     """What ``head_losses`` computes."""
@@ -269,7 +369,8 @@ def head_losses(lm, feats: list[torch.Tensor], batch: Batch, spec: LossSpec
                 ) -> tuple[torch.Tensor, list[float], list[int]]:
     """Weighted total loss, per-head mean losses (floats) and per-head position counts.
 
-    ``lm`` maps features (N, d) to logits (N, V) (the heads' shared LM head). The total is
+    ``lm`` is the shared LM head: an ``nn.Linear`` takes the fused path (``fused_loss``), any
+    other callable mapping features (N, d) to logits (N, V) the checkpointed one. The total is
     sum_k lam^(k-1) * mean_k; a head with no valid position contributes 0 (but keeps its
     parameters in the graph, which DDP needs).
     """
@@ -285,21 +386,24 @@ def head_losses(lm, feats: list[torch.Tensor], batch: Batch, spec: LossSpec
             means.append(float("nan"))
             continue
         fk = f[mask]
+        T = batch.ids.shape[-1]
+        fused = isinstance(lm, nn.Linear)
         if base == "ce":
-            s = chunked_ce(lm, fk, head_targets(batch, k, spec.target)[mask], spec.chunk)
+            tgt = head_targets(batch, k, spec.target)[mask]
+            s = fused_loss(lm, fk, "ce", tgt, chunk=spec.chunk) if fused else chunked_ce(lm, fk, tgt, spec.chunk)
         elif spec.teacher == "full":
-            T = batch.ids.shape[-1]
             th = batch.hidden[:, k:T - 1][mask]  # backbone state at t+k
-            s = chunked_kl(lm, fk, th, spec.chunk)
+            s = fused_loss(lm, fk, "kl", th, chunk=spec.chunk) if fused else chunked_kl(lm, fk, th, spec.chunk)
         elif spec.teacher == "topk":
             if batch.topk_ids is None:
                 raise CadenceError("teacher 'topk' needs shards written with --topk-logits")
-            T = batch.ids.shape[-1]
             ok = batch.topk_ok[:, k:T - 1]
             if not bool(ok[mask].all()):
                 raise CadenceError("stored top-k logits do not cover every reply position")
-            s = chunked_kl_topk(lm, fk, batch.topk_ids[:, k:T - 1][mask].long(),
-                                batch.topk_logits[:, k:T - 1][mask], spec.chunk)
+            ids = batch.topk_ids[:, k:T - 1][mask].long()
+            tl = batch.topk_logits[:, k:T - 1][mask]
+            s = (fused_loss(lm, fk, "topk", ids, tl, chunk=spec.chunk) if fused
+                 else chunked_kl_topk(lm, fk, ids, tl, spec.chunk))
         else:
             raise CadenceError(f"unknown KL teacher {spec.teacher!r}; choose one of {', '.join(TEACHERS)}")
         mean = s / n

@@ -110,9 +110,13 @@ def validate(cfg: TrainConfig) -> None:
         raise CadenceError(f"unknown target {cfg.target!r}; choose one of {', '.join(L.TARGETS)}")
     if cfg.teacher not in L.TEACHERS:
         raise CadenceError(f"unknown KL teacher {cfg.teacher!r}; choose one of {', '.join(L.TEACHERS)}")
-    for name in ("num_heads", "steps", "batch_size", "grad_accum", "loss_chunk", "adamtp_window"):
+    for name in ("num_heads", "steps", "batch_size", "grad_accum", "loss_chunk", "adamtp_window",
+                 "save_every", "log_every"):
         if getattr(cfg, name) < 1:
             raise CadenceError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("eval_every", "eval_rows", "stop_after", "warmup_steps"):
+        if getattr(cfg, name) < 0:
+            raise CadenceError(f"--{name.replace('_', '-')} must not be negative")
     if cfg.max_len < cfg.num_heads + 3:
         raise CadenceError("--max-len is too short for this many heads")
     if cfg.lr <= 0:
@@ -293,6 +297,8 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
     train_ds = RowDataset(train_corpus, train_rows, cache, need_argmax, boundary, use_topk)
     val_ds = RowDataset(val_corpus, val_rows, cache, need_argmax, boundary, use_topk)
     spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk)
+    # the frozen LM head: an nn.Linear takes the fused loss path (see losses.fused_loss)
+    loss_head = backbone.lm_head if isinstance(backbone.lm_head, nn.Linear) else inner.lm_logits
     feature_kw = dict(backbone=None if cache is not None else backbone, need_argmax=need_argmax,
                       boundary=boundary)
 
@@ -381,7 +387,7 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
                 batch = to_batch(raw, accelerator.device, **feature_kw)
                 with accelerator.autocast():
                     feats = model(batch.hidden, batch.ids)
-                    loss, parts, _ = L.head_losses(inner.lm_logits, feats, batch, spec)
+                    loss, parts, _ = L.head_losses(loss_head, feats, batch, spec)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.grad_clip > 0:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
