@@ -196,3 +196,37 @@ def test_cli_distill_tiny(env, tmp_path):
     assert rc == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["prompts_done"] == 3 and manifest["shards"]
+
+
+def test_draft_vocab_training_restricts_and_saves_the_subset(env):
+    """--draft-vocab N: heads learn over the N most frequent reply tokens; the subset is saved
+    with the heads, the loss only sees targets inside it, and held-out accuracy counts
+    targets outside it as misses."""
+    from cadence.training.data import iter_sequences, load_manifest, read_shard
+
+    out = env["root"] / "dv"
+    res = train(base_config(env["data"], out, env["model"], steps=4, eval_every=0, draft_vocab=40),
+                backbone=env["backbone"])
+    heads = load_heads(out / "heads", env["backbone"])
+    assert heads.draft_vocab is not None and len(heads.draft_vocab) == 40
+    counts = torch.zeros(env["backbone"].vocab_size, dtype=torch.long)
+    manifest = load_manifest(env["data"])
+    for s in manifest["shards"]:
+        if s["split"] == "train":
+            for ids, plen in iter_sequences(read_shard(env["data"] / s["file"])):
+                counts += torch.bincount(ids[plen:], minlength=len(counts))
+    top = set(counts.argsort(descending=True)[:40 - 1].tolist())  # EOS may take one slot
+    assert len(top & set(heads.draft_vocab.tolist())) >= 39 - 1
+    cfg_json = json.loads((out / "heads" / "config.json").read_text())
+    assert 0 < cfg_json["training"]["draft_vocab_coverage"] <= 1
+    # drafting uses only the subset
+    logits, ids, _ = heads.draft_step(1, heads.init_state(torch.randn(2, env["backbone"].hidden_size)),
+                                      torch.tensor([1, 2]))
+    assert logits.shape == (2, 40) and torch.equal(ids, heads.draft_vocab)
+    assert all(0 <= a <= 1 for a in res.summary["heldout"]["top1"])
+
+
+def test_draft_vocab_needs_ce(env):
+    cfg = base_config(env["data"], env["root"] / "dvkl", env["model"], loss="kl", draft_vocab=40)
+    with pytest.raises(CadenceError, match="ce loss"):
+        train(cfg, backbone=env["backbone"])

@@ -353,6 +353,7 @@ class LossSpec:
     teacher: str = "full"  # kl teacher: full | topk
     lam: float = 0.8  # head k weighted lam^(k-1)
     chunk: int = 1024  # positions per LM-head chunk
+    vocab_map: torch.Tensor | None = None  # (V,) full id -> draft-vocabulary column, -1 outside (ce only)
 
 
 def head_masks(batch: Batch, k: int, adamtp: bool) -> torch.Tensor:
@@ -390,6 +391,13 @@ def head_losses(lm, feats: list[torch.Tensor], batch: Batch, spec: LossSpec
         fused = isinstance(lm, nn.Linear)
         if base == "ce":
             tgt = head_targets(batch, k, spec.target)[mask]
+            if spec.vocab_map is not None:  # train over the draft vocabulary; skip targets outside it
+                tgt = spec.vocab_map[tgt]
+                inside = tgt >= 0
+                fk, tgt, n = fk[inside], tgt[inside], int(inside.sum())
+                if n == 0:
+                    means.append(float("nan"))
+                    continue
             s = fused_loss(lm, fk, "ce", tgt, chunk=spec.chunk) if fused else chunked_ce(lm, fk, tgt, spec.chunk)
         elif spec.teacher == "full":
             th = batch.hidden[:, k:T - 1][mask]  # backbone state at t+k
@@ -429,14 +437,15 @@ def topk_correct(lm, feats: torch.Tensor, targets: torch.Tensor, chunk: int = 10
 
 
 @torch.no_grad()
-def chain_counts(lm, feats: list[torch.Tensor], batch: Batch, target: str, chunk: int = 1024
-                 ) -> dict[str, torch.Tensor]:
+def chain_counts(lm, feats: list[torch.Tensor], batch: Batch, target: str, chunk: int = 1024,
+                 vocab_map: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Held-out counts over decoding positions (``decode_mask``), float64 tensors of length K.
 
     n[k]: positions where head k has a target; top1[k], top5[k]: hits of head k there;
     chain[k]: positions where heads 1..k are all right (top-1), counted over the same
     positions as n[k]. P(chain k) = chain[k] / n[k] is the conditional chain acceptance:
-    expected tau of a top-1 chain = 1 + sum_k P(chain k).
+    expected tau of a top-1 chain = 1 + sum_k P(chain k). With ``vocab_map`` (draft
+    vocabulary), ``lm`` gives draft-vocabulary logits and targets outside it count as misses.
     """
     K = len(feats)
     dev = batch.ids.device
@@ -446,6 +455,8 @@ def chain_counts(lm, feats: list[torch.Tensor], batch: Batch, target: str, chunk
     for k, f in enumerate(feats, start=1):
         mask = decode_mask(batch.seg, batch.reply, k)
         tgt = head_targets(batch, k, target)
+        if vocab_map is not None:
+            tgt = vocab_map[tgt]
         right1 = torch.zeros_like(mask)
         if mask.any():
             hits = topk_correct(lm, f[mask], tgt[mask], chunk)

@@ -39,7 +39,7 @@ from cadence.errors import CadenceError
 from cadence.heads.io import KINDS, new_heads, save_heads
 from cadence.training import losses as L
 from cadence.training.batches import Corpus, RowDataset, collate, pack, segments, to_batch
-from cadence.training.data import load_manifest
+from cadence.training.data import iter_sequences, load_manifest, read_shard
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
@@ -80,6 +80,7 @@ class TrainConfig:
     cache_hidden: str = ""  # hidden-state cache directory: built (or extended) once, then no backbone forward
     cache_dtype: str = "bfloat16"  # dtype of cached hidden states: bfloat16 | float16 | float32
     cache_only: bool = False  # build or extend --cache-hidden and exit without training
+    draft_vocab: int = 0  # train (ce) and draft over the N most frequent reply tokens of the data; 0 = full vocabulary
     seed: int = 0  # data order and head initialisation
     progress: bool = True  # show a progress bar
     model: str = "smollm2"  # backbone (frozen)
@@ -90,6 +91,24 @@ class TrainConfig:
 # Fields that may change between a run and its resumption.
 _RESUMABLE = ("out", "eval_every", "eval_rows", "save_every", "log_every", "stop_after", "resume",
               "progress", "device", "cache_hidden", "cache_only")
+
+
+def _setup_draft_vocab(cfg: TrainConfig, heads, backbone, data_dir: Path, train_files: list[str]) -> torch.Tensor:
+    """Pick the draft vocabulary from the training shards; return the id -> column map."""
+    from cadence.training.draft_vocab import frequent_tokens
+
+    if not L.parse_loss(cfg.loss)[0] == "ce":
+        raise CadenceError("--draft-vocab works with the ce loss only")
+    counts = torch.zeros(backbone.vocab_size, dtype=torch.long)
+    for name in train_files:
+        for ids, plen in iter_sequences(read_shard(data_dir / name)):
+            counts += torch.bincount(ids[plen:], minlength=backbone.vocab_size)[:backbone.vocab_size]
+    ids, coverage = frequent_tokens(counts, cfg.draft_vocab, always=backbone.eos_token_ids)
+    heads.set_draft_vocab(ids)
+    heads.draft_vocab_coverage = coverage
+    vocab_map = torch.full((backbone.vocab_size,), -1, dtype=torch.long)
+    vocab_map[ids] = torch.arange(len(ids))
+    return vocab_map
 
 
 def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
@@ -257,6 +276,7 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
             return TrainResult("cached", 0, {"cache": str(cfg.cache_hidden), "shards": len(files)}, None)
 
     heads = new_heads(cfg.kind, backbone, cfg.num_heads)
+    vocab_map = _setup_draft_vocab(cfg, heads, backbone, data_dir, shards["train"]) if cfg.draft_vocab else None
     heads.train()
     model = _Trainable(heads)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -296,9 +316,17 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
                            f"{rows_per_step} (processes x batch size x grad accumulation)")
     train_ds = RowDataset(train_corpus, train_rows, cache, need_argmax, boundary, use_topk)
     val_ds = RowDataset(val_corpus, val_rows, cache, need_argmax, boundary, use_topk)
-    spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk)
+    spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk,
+                      vocab_map.to(accelerator.device) if vocab_map is not None else None)
     # the frozen LM head: an nn.Linear takes the fused loss path (see losses.fused_loss)
-    loss_head = backbone.lm_head if isinstance(backbone.lm_head, nn.Linear) else inner.lm_logits
+    if vocab_map is not None:
+        loss_head = nn.Linear(backbone.hidden_size, len(inner.draft_vocab), bias=False).to(accelerator.device)
+        loss_head.weight.data = backbone.lm_head.weight.detach()[inner.draft_vocab.to(accelerator.device)]
+        loss_head.weight.requires_grad_(False)
+        eval_lm = lambda f: loss_head(f.to(loss_head.weight.dtype)).float()  # noqa: E731
+    else:
+        loss_head = backbone.lm_head if isinstance(backbone.lm_head, nn.Linear) else inner.lm_logits
+        eval_lm = inner.lm_logits
     feature_kw = dict(backbone=None if cache is not None else backbone, need_argmax=need_argmax,
                       boundary=boundary)
 
@@ -319,7 +347,7 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
                 idx = mine[i:i + cfg.batch_size]
                 batch = to_batch(collate([val_ds[j] for j in idx]), accelerator.device, **feature_kw)
                 feats = model(batch.hidden, batch.ids)
-                c = L.chain_counts(inner.lm_logits, feats, batch, eval_target, cfg.loss_chunk)
+                c = L.chain_counts(eval_lm, feats, batch, eval_target, cfg.loss_chunk, spec.vocab_map)
                 counts = c if counts is None else {k: counts[k] + c[k] for k in c}
         if counts is None:
             counts = {k: torch.zeros(cfg.num_heads, dtype=torch.float64, device=accelerator.device)
@@ -440,6 +468,7 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
         if main:
             training = {k: v for k, v in fingerprint(cfg, world).items()}
             training.update(step=step, tokens=tokens_done, backbone_model=cfg.model,
+                            draft_vocab_coverage=getattr(inner, "draft_vocab_coverage", None),
                             data_shards={k: len(v) for k, v in shards.items()})
             save_heads(inner, out / "heads", extra_config={"training": training, "heldout": final})
     if main:
