@@ -105,3 +105,24 @@ def test_cache_matches_backbone_features_and_checks_backbone(env, tmp_path):
         open_cache(tmp_path / "cache", other, data, files)
     with pytest.raises(CadenceError, match="made by backbone"):
         build_cache(tmp_path / "cache", other, data, files, progress=False)
+
+
+def test_merge_datasets_links_train_shards_and_takes_val_from_the_first(tmp_path):
+    from cadence.cli import main
+    from cadence.training.data import load_manifest
+
+    a = make_data(tmp_path / "a", n_train=20, n_val=4, seed=1)
+    b = make_data(tmp_path / "b", n_train=20, n_val=4, seed=2)
+    ma, mb = load_manifest(a), load_manifest(b)
+    assert main(["merge-data", "--out", str(tmp_path / "m"), str(a), f"{b}:1"]) == 0
+    m = load_manifest(tmp_path / "m")
+    train_a = [s for s in ma["shards"] if s["split"] == "train"]
+    train_b = [s for s in mb["shards"] if s["split"] == "train"][:1]
+    val_a = [s for s in ma["shards"] if s["split"] == "val"]
+    assert [s["split"] for s in m["shards"]].count("val") == len(val_a)
+    assert sum(s["reply_tokens"] for s in m["shards"] if s["split"] == "train") == \
+        sum(s["reply_tokens"] for s in train_a + train_b)
+    for s in m["shards"]:  # every entry is a readable link to a source shard
+        assert (tmp_path / "m" / s["file"]).resolve().parent in {a.resolve(), b.resolve()}
+        Corpus(tmp_path / "m", [s["file"]])
+    assert main(["merge-data", "--out", str(tmp_path / "m2"), f"{a}:x"]) == 2

@@ -21,6 +21,14 @@ def register(sub) -> None:
     add_fields(p, DistillConfig)
     p.set_defaults(func=run_distill_command)
 
+    p = sub.add_parser("merge-data", help="combine distilled datasets (links, no copies)",
+                       description="Make OUT a dataset of the shards of several others. Validation "
+                                   "shards come from the first source only.")
+    p.add_argument("--out", required=True, help="new dataset directory")
+    p.add_argument("sources", nargs="+", metavar="DIR[:N]",
+                   help="source dataset; ':N' keeps only its first N training shards")
+    p.set_defaults(func=run_merge_command)
+
     p = sub.add_parser("train", help="train draft heads on a frozen backbone",
                        description="Train medusa/hydra/mtp heads on distilled shards; resumes from "
                                    "OUT/checkpoint.pt. Runs under `accelerate launch` for DDP.")
@@ -37,6 +45,23 @@ def run_distill_command(args) -> int:
     n_reply = sum(s["reply_tokens"] for s in manifest["shards"])
     print(f"{cfg.out}: {manifest['prompts_done']} prompts, {len(manifest['shards'])} shards, "
           f"{n_seq} sequences, {n_reply} reply tokens", file=sys.stderr)
+    return 0
+
+
+def run_merge_command(args) -> int:
+    from cadence.errors import CadenceError
+    from cadence.training.data import merge_datasets
+
+    sources = []
+    for spec in args.sources:
+        path, _, limit = spec.partition(":")
+        if limit and not limit.isdigit():
+            raise CadenceError(f"bad source {spec!r}: expected DIR or DIR:N")
+        sources.append((path, int(limit) if limit else None))
+    manifest = merge_datasets(args.out, sources)
+    n = {split: sum(s["reply_tokens"] for s in manifest["shards"] if s["split"] == split) for split in ("train", "val")}
+    print(f"{args.out}: {len(manifest['shards'])} shards, {n['train']} train / {n['val']} val reply tokens",
+          file=sys.stderr)
     return 0
 
 
