@@ -119,12 +119,12 @@ def step_latency(backbone, heads, tree, context: int, reps: int) -> float:
     """Median seconds of one engine step (draft + tree forward + greedy verify) with ``tree``."""
     drafter = HeadDrafter(heads)
     gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(100, 1000, (1, context), generator=gen).to(backbone.device)
+    ctx = torch.randint(0, backbone.vocab_size, (1, context), generator=gen).to(backbone.device)
     times = []
     for _ in range(reps + 1):
         cache = kv_cache.new_cache(backbone)
         out = backbone.forward(ctx, cache, need_logits=False)
-        hidden, root = out.hidden[0, -1], 100
+        hidden, root = out.hidden[0, -1], int(ctx[0, -1])
         t = time.perf_counter()
         if tree.size > 1:
             tokens = drafter.draft(tree, root, hidden, [], SamplingParams(), None).tokens

@@ -197,7 +197,6 @@ class Engine:
             if cfg.stop and self._hit_stop(tokens, cfg.stop):
                 break
         stats = self.last_stats
-        stats.wall_s = stats.wall_s or 0.0
         text = self.decode(tokens)
         for s in cfg.stop:
             if s in text:

@@ -70,7 +70,7 @@ def resolve_heads(backbone, spec: MethodSpec):
 
 def recommended_tree(heads) -> CompiledTree:
     """The tree calibrated for these heads (``tree`` in config.json), else the top-1 chain."""
-    if heads.cfg.tree:
+    if heads.cfg.tree is not None:  # [] is a calibrated answer too: do not speculate
         return compile_tree([tuple(p) for p in heads.cfg.tree], name="calibrated")
     return compile_tree(preset("chain", heads.K), name="chain")
 

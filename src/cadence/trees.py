@@ -47,21 +47,22 @@ def grow_tree(acceptance: list[list[float]], budget: int) -> list[Path]:
     depth, ranks = len(acceptance), len(acceptance[0]) if acceptance else 0
     chosen: list[Path] = []
     counter = 0
-    frontier: list[tuple[float, int, Path]] = []
+    # heap of (-value, insertion order, path, value of the path's parent)
+    frontier: list[tuple[float, int, Path, float]] = []
     if depth and ranks:
-        frontier.append((-acceptance[0][0], counter, (0,)))
+        frontier.append((-acceptance[0][0], counter, (0,), 1.0))
     while frontier and len(chosen) < budget:
-        neg, _, path = heapq.heappop(frontier)
+        neg, _, path, parent_value = heapq.heappop(frontier)
         chosen.append(path)
         value = -neg
         k, i = len(path) - 1, path[-1]
         if i + 1 < ranks:  # next sibling
             counter += 1
-            sib = path[:-1] + (i + 1,)
-            heapq.heappush(frontier, (-value / acceptance[k][i] * acceptance[k][i + 1], counter, sib))
+            heapq.heappush(frontier, (-parent_value * acceptance[k][i + 1], counter, path[:-1] + (i + 1,),
+                                      parent_value))
         if k + 1 < depth:  # first child
             counter += 1
-            heapq.heappush(frontier, (-value * acceptance[k + 1][0], counter, path + (0,)))
+            heapq.heappush(frontier, (-value * acceptance[k + 1][0], counter, path + (0,), value))
     return sorted(chosen, key=lambda p: (len(p), p))
 
 
