@@ -44,7 +44,7 @@ class CalibrateConfig:
     ranks: int = 10  # candidates per head considered
     budgets: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])  # tree sizes (draft nodes) tried
     context: int = 256  # context length for latency timing
-    reps: int = 7  # timed repetitions per tree (median)
+    reps: int = 9  # timed rounds over all trees, interleaved (median per tree)
     model: str = "smollm2"  # backbone
     dtype: str = "auto"  # backbone dtype
     device: str = "auto"  # backbone device
@@ -114,14 +114,11 @@ def _rank_of(logits: torch.Tensor, heads, target: torch.Tensor, ranks: int) -> t
     return torch.where(found, hit.float().argmax(-1), torch.full_like(target, ranks))
 
 
-@torch.inference_mode()
-def step_latency(backbone, heads, tree, context: int, reps: int) -> float:
-    """Median seconds of one engine step (draft + tree forward + greedy verify) with ``tree``."""
-    drafter = HeadDrafter(heads)
+def _step_times(backbone, drafter, tree, context: int, reps: int) -> list[float]:
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, backbone.vocab_size, (1, context), generator=gen).to(backbone.device)
     times = []
-    for _ in range(reps + 1):
+    for _ in range(reps):
         cache = kv_cache.new_cache(backbone)
         out = backbone.forward(ctx, cache, need_logits=False)
         hidden, root = out.hidden[0, -1], int(ctx[0, -1])
@@ -135,7 +132,21 @@ def step_latency(backbone, heads, tree, context: int, reps: int) -> float:
         logits = backbone.forward(tokens[None], cache, pos, mask).logits[0]
         greedy(tree, tokens, logits, VerifyContext())
         times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+    return times
+
+
+@torch.inference_mode()
+def interleaved_latency(backbone, heads, trees: list, context: int, rounds: int) -> list[float]:
+    """Median step seconds per tree, measured in ``rounds`` interleaved passes over all trees
+    (one warm-up pass first), so that a slow spell of a noisy machine hits every tree alike."""
+    drafter = HeadDrafter(heads)
+    samples: list[list[float]] = [[] for _ in trees]
+    for r in tqdm(range(rounds + 1), desc="latency", unit="round"):
+        for i, tree in enumerate(trees):
+            t = _step_times(backbone, drafter, tree, context, 1)[0]
+            if r:
+                samples[i].append(t)
+    return [statistics.median(s) for s in samples]
 
 
 def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
@@ -147,17 +158,15 @@ def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
     backbone = backbone or load_backbone(cfg.model, cfg.dtype, cfg.device)
     heads = load_heads(cfg.heads, backbone)
     acc = rank_table(backbone, heads, cfg.data, cfg.tokens, cfg.ranks)
-    root = compile_tree([], name="root")
-    base = step_latency(backbone, heads, root, cfg.context, cfg.reps)
-    rows = [{"budget": 0, "expected_tau": 1.0, "latency_ms": base * 1e3, "expected_tok_s": 1.0 / base}]
-    best = (1.0 / base, [])
-    for budget in tqdm(cfg.budgets, desc="trees"):
-        paths = grow_tree(acc, budget)
-        tree = compile_tree(paths, name=f"calibrated-{budget}")
-        lat = step_latency(backbone, heads, tree, cfg.context, cfg.reps)
+    candidates = [[]] + [grow_tree(acc, b) for b in cfg.budgets]
+    trees = [compile_tree(p, name=f"calibrated-{len(p)}") for p in candidates]
+    lats = interleaved_latency(backbone, heads, trees, cfg.context, cfg.reps)
+    base = lats[0]
+    rows, best = [], (0.0, [])
+    for paths, lat in zip(candidates, lats):
         tau = expected_tau(paths, acc)
-        rows.append({"budget": budget, "expected_tau": tau, "latency_ms": lat * 1e3, "expected_tok_s": tau / lat,
-                     "paths": [list(p) for p in paths]})
+        rows.append({"budget": len(paths), "expected_tau": tau, "latency_ms": lat * 1e3,
+                     "expected_tok_s": tau / lat, "paths": [list(p) for p in paths]})
         if tau / lat > best[0]:
             best = (tau / lat, paths)
     report = {"acceptance": acc, "trees": rows, "chosen_budget": len(best[1]),
