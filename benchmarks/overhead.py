@@ -92,21 +92,24 @@ def main():
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="backbone dtype: auto | float32 | bfloat16")
+    ap.add_argument("--skip-generate", action="store_true", help="only the forward-cost curve")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
     args = ap.parse_args()
-    bb = load_backbone(args.model)
+    bb = load_backbone(args.model, args.dtype)
     info = machine_info()
-    speed = engine_vs_generate(bb, args.max_new_tokens, args.repeats)
+    speed = None if args.skip_generate else engine_vs_generate(bb, args.max_new_tokens, args.repeats)
     costs = forward_costs(bb)
-    result = {"machine": info, "model": bb.name, "max_new_tokens": args.max_new_tokens,
+    result = {"machine": info, "model": bb.name, "dtype": str(bb.dtype), "max_new_tokens": args.max_new_tokens,
               "prompts": len(PROMPTS), "repeats": args.repeats, "engine_vs_generate": speed,
               "forward_cost_by_nodes": costs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"Machine: {machine_line(info)}\n")
-    print("| decoder | tok/s |\n|---|---|")
-    print(f"| transformers generate | {speed['hf_generate_tok_s']:.2f} |")
-    print(f"| cadence vanilla | {speed['vanilla_tok_s']:.2f} ({speed['vanilla_over_hf']:.3f}x) |\n")
+    print(f"Machine: {machine_line(info)}; backbone {bb.dtype}\n")
+    if speed:
+        print("| decoder | tok/s |\n|---|---|")
+        print(f"| transformers generate | {speed['hf_generate_tok_s']:.2f} |")
+        print(f"| cadence vanilla | {speed['vanilla_tok_s']:.2f} ({speed['vanilla_over_hf']:.3f}x) |\n")
     print("| tree nodes | forward ms | relative to 1 |\n|---|---|---|")
     for n, c in costs.items():
         print(f"| {n} | {c['ms']} | {c['relative']} |")
