@@ -265,3 +265,32 @@ def test_draft_vocabulary_keeps_greedy_output(bb, kind):
     for tree in ("chain", "tree-16"):
         g = spec_engine(bb, HeadDrafter(heads), tree).generate(ids, GenerationConfig(max_new_tokens=N))
         assert g.tokens == ref.tokens
+
+
+SHIPPED_PROMPTS = ["Explain what a hash table is.", "Write a Python function that reverses a list.",
+                   "Janet has 3 apples and buys 5 more. How many apples does she have?",
+                   "Write a short poem about the sea."]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_shipped_heads_are_lossless_and_accept_drafts(kind):
+    """The heads shipped for the default model: greedy output identical to vanilla (fp32),
+    on prompts never trained on, with their calibrated tree and with a 16-node tree; and
+    they do accept drafts (tau above 1.1 pooled over the prompts)."""
+    from cadence.backbone import load_backbone
+    from cadence.methods import Method, MethodSpec, make_engine
+    try:
+        bb = load_backbone("smollm2", "float32", "cpu")
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"default model unavailable: {exc}")
+    cfg = GenerationConfig(max_new_tokens=48)
+    new = steps = 0
+    for tree in ("auto", "tree-16"):
+        engine = make_engine(bb, MethodSpec(method=Method(kind), heads="default", tree=tree))
+        for prompt in SHIPPED_PROMPTS:
+            ids = bb.encode_prompt(prompt, chat=True)
+            g = engine.generate(ids, cfg)
+            assert g.tokens == Engine(bb).generate(ids, cfg).tokens, (kind, tree, prompt)
+            new, steps = new + g.stats.new_tokens, steps + g.stats.steps
+    assert new / steps > 1.1
