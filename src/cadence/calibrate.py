@@ -82,7 +82,7 @@ def rank_table(backbone, heads, data_dir: str | Path, tokens: int, ranks: int) -
                 t0 = max(plen - 1, 0)  # first position whose next token is a reply token
                 f = f[t0:]
                 target = ids[t0 + k + 1:]
-                logits = _draft_logits(heads, f)
+                logits = heads.draft_logits(f)
                 rank = _rank_of(logits, heads, target, ranks)
                 n = len(rank)
                 prev_ok = torch.ones(n, dtype=torch.bool) if ok is None else ok[:n]
@@ -96,12 +96,6 @@ def rank_table(backbone, heads, data_dir: str | Path, tokens: int, ranks: int) -
     bar.close()
     table = (hist[:, :ranks] / cond.clamp(min=1)[:, None]).tolist()
     return [[round(v, 5) for v in row] for row in table]
-
-
-def _draft_logits(heads, feats: torch.Tensor) -> torch.Tensor:
-    if heads._draft_weight is None:
-        return heads.lm_logits(feats)
-    return (feats.to(heads._draft_weight.dtype) @ heads._draft_weight.T).float()
 
 
 def _rank_of(logits: torch.Tensor, heads, target: torch.Tensor, ranks: int) -> torch.Tensor:

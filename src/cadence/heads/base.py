@@ -128,10 +128,14 @@ class DraftHeads(nn.Module):
         """Like ``step`` but over the draft vocabulary: (logits (B, V'), ids (V',) or None
         when V' = V, new state). Column j of the logits is token ``ids[j]``."""
         feats, new_state = self.step_features(k, state, token)
+        return self.draft_logits(feats), self.draft_vocab, new_state
+
+    def draft_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """(..., d) features -> float32 logits over the draft vocabulary (all V when unset)."""
         if self._draft_weight is None:
-            return self.lm_logits(feats), None, new_state
+            return self.lm_logits(feats)
         w = self._draft_weight
-        return (feats.to(w.dtype) @ w.T).float(), self.draft_vocab, new_state
+        return (feats.to(w.dtype) @ w.T).float()
 
     def step_features(self, k: int, state, token):
         raise NotImplementedError

@@ -16,17 +16,18 @@ from cadence.errors import CadenceError
 from cadence.training.data import iter_sequences, load_manifest, read_shard
 
 
-def reply_token_counts(data_dir: str | Path, vocab_size: int, split: str = "train") -> torch.Tensor:
-    """(vocab_size,) counts of reply tokens over the shards of ``split``."""
+def reply_token_counts(data_dir: str | Path, vocab_size: int, split: str = "train",
+                       files: list[str] | None = None) -> torch.Tensor:
+    """(vocab_size,) counts of reply tokens over ``files`` (default: the shards of ``split``)."""
     data_dir = Path(data_dir)
-    manifest = load_manifest(data_dir)
-    if manifest is None:
-        raise CadenceError(f"{data_dir} has no manifest.json")
+    if files is None:
+        manifest = load_manifest(data_dir)
+        if manifest is None:
+            raise CadenceError(f"{data_dir} has no manifest.json")
+        files = [s["file"] for s in manifest["shards"] if s["split"] == split]
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for shard in manifest["shards"]:
-        if shard["split"] != split:
-            continue
-        for ids, plen in iter_sequences(read_shard(data_dir / shard["file"])):
+    for name in files:
+        for ids, plen in iter_sequences(read_shard(data_dir / name)):
             counts += torch.bincount(ids[plen:], minlength=vocab_size)[:vocab_size]
     return counts
 

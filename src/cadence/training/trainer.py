@@ -39,7 +39,7 @@ from cadence.errors import CadenceError
 from cadence.heads.io import KINDS, new_heads, save_heads
 from cadence.training import losses as L
 from cadence.training.batches import Corpus, RowDataset, collate, pack, segments, to_batch
-from cadence.training.data import iter_sequences, load_manifest, read_shard
+from cadence.training.data import load_manifest
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
@@ -95,14 +95,11 @@ _RESUMABLE = ("out", "eval_every", "eval_rows", "save_every", "log_every", "stop
 
 def _setup_draft_vocab(cfg: TrainConfig, heads, backbone, data_dir: Path, train_files: list[str]) -> torch.Tensor:
     """Pick the draft vocabulary from the training shards; return the id -> column map."""
-    from cadence.training.draft_vocab import frequent_tokens
+    from cadence.training.draft_vocab import frequent_tokens, reply_token_counts
 
     if not L.parse_loss(cfg.loss)[0] == "ce":
         raise CadenceError("--draft-vocab works with the ce loss only")
-    counts = torch.zeros(backbone.vocab_size, dtype=torch.long)
-    for name in train_files:
-        for ids, plen in iter_sequences(read_shard(data_dir / name)):
-            counts += torch.bincount(ids[plen:], minlength=backbone.vocab_size)[:backbone.vocab_size]
+    counts = reply_token_counts(data_dir, backbone.vocab_size, files=train_files)
     ids, coverage = frequent_tokens(counts, cfg.draft_vocab, always=backbone.eos_token_ids)
     heads.set_draft_vocab(ids)
     heads.draft_vocab_coverage = coverage
