@@ -38,19 +38,25 @@ def test_calibrate_stores_a_tree_that_auto_uses(tmp_path):
     heads = new_heads("mtp", bb, 2, random=True)
     hdir = save_heads(heads, tmp_path / "heads")
     rep = calibrate(CalibrateConfig(heads=str(hdir), data=str(data), tokens=300, ranks=3, budgets=[1, 3],
-                                    context=32, reps=2, model=str(model), device="cpu"), backbone=bb)
-    assert [r["budget"] for r in rep["trees"]] == [0, 1, 3]
+                                    context=32, reps=2, model=str(model), device="cpu", copy_depth=4),
+                    backbone=bb)
+    assert [(r["drafter"], r["budget"]) for r in rep["trees"]] == [
+        ("heads", 0), ("heads", 1), ("heads", 3), ("copy", 1), ("copy", 3)]
     assert all(r["latency_ms"] > 0 for r in rep["trees"])
-    best = max(rep["trees"], key=lambda r: r["expected_tok_s"])
+    assert len(rep["acceptance"]) == 2 and len(rep["copy_acceptance"]) == 4  # copies reach depth 4
+    assert all(v == 0 for row in rep["copy_acceptance"][2:] for v in row[1:])  # past K: the copy only
     conf = json.loads((hdir / "config.json").read_text())
-    assert len(conf["tree"]) == best["budget"] and conf["acceptance"] == rep["acceptance"]
-    assert (hdir / "calibration.json").is_file()
-    engine = make_engine(bb, MethodSpec(method=Method.MTP, heads=str(hdir), tree="auto"))
-    tree = engine.scheduler.choose()
-    assert tree.size == best["budget"] + 1
-    # calibrated heads still decode losslessly
-    ids = bb.encode_prompt("abc", chat=True)
     from cadence.engine import Engine, GenerationConfig
+    ids = bb.encode_prompt("abc", chat=True)
     cfg = GenerationConfig(max_new_tokens=20)
-    assert engine.generate(ids, cfg).tokens == Engine(bb).generate(ids, cfg).tokens
-    assert load_heads(hdir, bb).cfg.tree == conf["tree"]
+    ref = Engine(bb).generate(ids, cfg).tokens
+    for name, key, copy in [("heads", "tree", False), ("copy", "copy_tree", True)]:
+        rows = [r for r in rep["trees"] if r["drafter"] == name or r["budget"] == 0]
+        best = max(rows, key=lambda r: r["expected_tok_s"])
+        assert len(conf[key]) == best["budget"] == rep["chosen"][name]["budget"]
+        engine = make_engine(bb, MethodSpec(method=Method.MTP, heads=str(hdir), tree="auto", copy=copy))
+        assert engine.scheduler.choose().size == best["budget"] + 1
+        assert engine.generate(ids, cfg).tokens == ref  # calibrated heads still decode losslessly
+    assert conf["acceptance"] == rep["acceptance"] and conf["copy_acceptance"] == rep["copy_acceptance"]
+    assert (hdir / "calibration.json").is_file()
+    assert load_heads(hdir, bb).cfg.copy_tree == conf["copy_tree"]

@@ -180,7 +180,9 @@ def test_error_bad_tree_dtype_and_length(capsys, model_dir):
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", "random",
                        "--tree", "tree-5"), "unknown tree 'tree-5'")
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", "random",
-                       "--tree", "chain-7"), "needs 7 heads")
+                       "--tree", "chain-9"), "9 levels deep; this drafter fills at most 8")
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", "random",
+                       "--tree", "chain-4", "--no-copy"), "4 levels deep; this drafter fills at most 3")
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--dtype", "float8"), "unknown dtype")
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "vanilla",
                        "--max-new-tokens", 600), "exceeds the model's 512 positions")

@@ -50,7 +50,7 @@ def test_encode_prompt_chat_and_plain(llama):
 
 
 def test_tree_deeper_than_heads_is_rejected(llama):
-    with pytest.raises(CadenceError, match="needs 5 heads"):
+    with pytest.raises(CadenceError, match="5 levels deep; this drafter fills at most 3"):
         StaticScheduler.from_preset("chain-5", 3)
     with pytest.raises(CadenceError, match="unknown tree"):
         StaticScheduler.from_preset("forest", 3)

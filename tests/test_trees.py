@@ -111,7 +111,7 @@ def test_presets():
     assert preset("root", K) == []
     assert preset("chain", K) == chain(K)
     assert preset("chain-2", K) == chain(2)
-    with pytest.raises(CadenceError, match="needs 4 heads"):
+    with pytest.raises(CadenceError, match="4 levels deep; this drafter fills at most 3"):
         preset("chain-4", K)
     with pytest.raises(CadenceError, match="unknown tree"):
         preset("tree-5", K)

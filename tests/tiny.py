@@ -60,6 +60,9 @@ class OracleDrafter:
         # index in the reference (then some right tokens may be missing from the tree)
         self.right_rank = right_rank
 
+    def max_depth(self, sampling) -> int:
+        return self.num_heads
+
     def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:
         pos = len(context) - self.prompt_len  # index of root in the reference
         tokens = torch.empty(tree.size, dtype=torch.long)
@@ -87,6 +90,9 @@ class BackboneDrafter:
 
     def __init__(self, backbone: Backbone, num_heads: int, mix: float = 0.0):
         self.backbone, self.num_heads, self.mix = backbone, num_heads, mix
+
+    def max_depth(self, sampling) -> int:
+        return self.num_heads
 
     @torch.inference_mode()
     def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:

@@ -7,9 +7,11 @@
 3. Latency: one full engine step (draft + tree forward + verify) per tree, measured here.
 4. Choice: the tree with the highest expected tokens per second, expected tau / latency.
 
-The chosen tree and the acceptance table are written into the heads' config.json
-(``tree``, ``acceptance``), so ``--tree auto`` uses them; the whole table goes to
-calibration.json beside it.
+Steps 1-4 run twice: for the heads alone, and for the heads with context copy
+(``context_copy``: the copy ranked first, copies alone past depth K). The chosen trees
+and acceptance tables are written into the heads' config.json (``tree``/``acceptance``,
+``copy_tree``/``copy_acceptance``), so ``--tree auto`` uses them; the whole table goes
+to calibration.json beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tqdm import tqdm
 from cadence import kv_cache
 from cadence.atomic import atomic_write_json
 from cadence.cliargs import add_fields, from_args
+from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.drafter import HeadDrafter
 from cadence.errors import CadenceError
 from cadence.sampling import SamplingParams
@@ -45,14 +48,14 @@ class CalibrateConfig:
     budgets: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])  # tree sizes (draft nodes) tried
     context: int = 256  # context length for latency timing
     reps: int = 9  # timed rounds over all trees, interleaved (median per tree)
+    copy: bool = True  # also calibrate a tree for drafting with context copy (stored as copy_tree)
+    copy_depth: int = 8  # deepest tree level considered when copying (levels past K are copies only)
     model: str = "smollm2"  # backbone
     dtype: str = "auto"  # backbone dtype
     device: str = "auto"  # backbone device
 
 
-@torch.inference_mode()
-def rank_table(backbone, heads, data_dir: str | Path, tokens: int, ranks: int) -> list[list[float]]:
-    """a[k][i] from teacher-forced held-out sequences (see module docstring)."""
+def _val_sequences(data_dir: str | Path):
     from cadence.training.data import iter_sequences, load_manifest, read_shard
 
     manifest = load_manifest(Path(data_dir))
@@ -61,51 +64,106 @@ def rank_table(backbone, heads, data_dir: str | Path, tokens: int, ranks: int) -
     shards = [s for s in manifest["shards"] if s["split"] == "val"]
     if not shards:
         raise CadenceError(f"{data_dir} has no held-out ('val') shards yet")
+    for shard in shards:
+        yield from iter_sequences(read_shard(Path(data_dir) / shard["file"]))
+
+
+class _RankHistogram:
+    """Counts of the true token's candidate rank per depth, among positions whose path
+    so far was covered (every earlier depth ranked its true token within ``ranks``)."""
+
+    def __init__(self, depth: int, ranks: int):
+        self.ranks = ranks
+        self.hist = torch.zeros(depth, ranks + 1)  # last column: outside the top `ranks`
+        self.cond = torch.zeros(depth)
+
+    def add(self, rank_by_depth: list[torch.Tensor]) -> None:
+        """rank_by_depth[k]: (n_k,) ranks at depth k+1 for positions t0.. (n_k shrinks with k)."""
+        ok = None
+        for k, rank in enumerate(rank_by_depth):
+            n = len(rank)
+            prev_ok = torch.ones(n, dtype=torch.bool) if ok is None else ok[:n]
+            self.hist[k] += torch.bincount(rank[prev_ok].clamp(max=self.ranks),
+                                           minlength=self.ranks + 1)[:self.ranks + 1].cpu()
+            self.cond[k] += int(prev_ok.sum())
+            ok = prev_ok & (rank < self.ranks)
+
+    def table(self) -> list[list[float]]:
+        table = (self.hist[:, :self.ranks] / self.cond.clamp(min=1)[:, None]).tolist()
+        return [[round(v, 5) for v in row] for row in table]
+
+
+@torch.inference_mode()
+def rank_tables(backbone, heads, data_dir: str | Path, tokens: int, ranks: int,
+                copy: CopyConfig | None = None, copy_depth: int = 0
+                ) -> tuple[list[list[float]], list[list[float]] | None]:
+    """a[k][i] from teacher-forced held-out sequences (see module docstring): for the heads
+    alone, and (``copy`` set) with the context copy ranked first, down to ``copy_depth``."""
     K = heads.K
-    hist = torch.zeros(K, ranks + 1)  # last column: outside the top `ranks`
-    cond = torch.zeros(K)  # positions whose earlier heads were all within the top `ranks`
+    depth = max(copy_depth, K)
+    plain, copied = _RankHistogram(K, ranks), _RankHistogram(depth, ranks) if copy else None
     seen = 0
     bar = tqdm(total=tokens, desc="acceptance", unit="tok")
-    for shard in shards:
-        for ids, plen in iter_sequences(read_shard(Path(data_dir) / shard["file"])):
-            if seen >= tokens:
-                break
-            ids = ids.to(backbone.device)
-            T = len(ids)
-            if T - plen < K + 2:
-                continue
-            hidden = backbone.forward(ids[None], kv_cache.new_cache(backbone), need_logits=False).hidden
-            feats = heads.train_features(hidden, ids[None])
-            ok = None
-            for k in range(1, K + 1):
-                f = feats[k - 1][0]  # (T-1-k, d) for t = 0..T-2-k
-                t0 = max(plen - 1, 0)  # first position whose next token is a reply token
-                f = f[t0:]
-                target = ids[t0 + k + 1:]
-                logits = heads.draft_logits(f)
-                rank = _rank_of(logits, heads, target, ranks)
-                n = len(rank)
-                prev_ok = torch.ones(n, dtype=torch.bool) if ok is None else ok[:n]
-                hist[k - 1] += torch.bincount(rank[prev_ok].clamp(max=ranks), minlength=ranks + 1)[:ranks + 1].cpu()
-                cond[k - 1] += int(prev_ok.sum())
-                ok = prev_ok & (rank < ranks)
-            seen += T - plen
-            bar.update(T - plen)
+    for ids, plen in _val_sequences(data_dir):
         if seen >= tokens:
             break
+        ids = ids.to(backbone.device)
+        T = len(ids)
+        if T - plen < K + 2:
+            continue
+        hidden = backbone.forward(ids[None], kv_cache.new_cache(backbone), need_logits=False).hidden
+        feats = heads.train_features(hidden, ids[None])
+        t0 = max(plen - 1, 0)  # first position whose next token is a reply token
+        tops = []  # tops[k-1]: (T-1-k-t0, ranks) head k's candidate ids at t = t0..
+        for k in range(1, K + 1):
+            top = heads.draft_logits(feats[k - 1][0][t0:]).topk(ranks, dim=-1).indices
+            tops.append(heads.draft_vocab[top] if heads.draft_vocab is not None else top)
+        plain.add([_rank_in(top, ids[t0 + k + 1:], ranks) for k, top in enumerate(tops, 1)])
+        if copied is not None:
+            copied.add(_copy_ranks(ids.tolist(), t0, [t.tolist() for t in tops], copy, depth, ranks))
+        seen += T - plen
+        bar.update(T - plen)
     bar.close()
-    table = (hist[:, :ranks] / cond.clamp(min=1)[:, None]).tolist()
-    return [[round(v, 5) for v in row] for row in table]
+    return plain.table(), copied.table() if copied is not None else None
 
 
-def _rank_of(logits: torch.Tensor, heads, target: torch.Tensor, ranks: int) -> torch.Tensor:
-    """Rank of each target among the head's candidates (``ranks`` if not in the top)."""
-    top = logits.topk(ranks, dim=-1).indices
-    if heads.draft_vocab is not None:
-        top = heads.draft_vocab[top]
+def rank_table(backbone, heads, data_dir: str | Path, tokens: int, ranks: int) -> list[list[float]]:
+    """The heads-alone table of ``rank_tables``."""
+    return rank_tables(backbone, heads, data_dir, tokens, ranks)[0]
+
+
+def _rank_in(top: torch.Tensor, target: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Rank of each target among its row of candidates (``ranks`` if absent).
+    top: (n', ranks) candidate ids; target: (n,) with n <= n'."""
+    top = top[:len(target)]
     hit = top == target[:, None]
-    found = hit.any(-1)
-    return torch.where(found, hit.float().argmax(-1), torch.full_like(target, ranks))
+    return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(target, ranks))
+
+
+def _copy_ranks(x: list[int], t0: int, tops: list[list[list[int]]], copy: CopyConfig,
+                depth: int, ranks: int) -> list[torch.Tensor]:
+    """Ranks of the true token when the context copy leads each candidate list.
+
+    At position t the committed tokens are x[0..t] and the root is x[t+1] (both indexed);
+    depth k's path is x[t+2..t+k] (teacher forcing) and its target is x[t+k+1]. Example:
+    x = [1, 2, 3, 1, 2, ?], t = 3: root x[4] = 2, the tail (1, 2) was followed by 3, so
+    depth 1's copy is 3. Depths past K have the copy as their only candidate.
+    """
+    index = NgramIndex(copy)
+    index.extend(x[:t0 + 1])
+    T = len(x)
+    out: list[list[int]] = [[] for _ in range(depth)]
+    for t in range(t0, T - 2):
+        index.extend(x[t + 1:t + 2])
+        for k in range(1, depth + 1):
+            if t + k + 1 >= T:
+                break
+            tail = x[max(0, t + k + 1 - copy.max_n):t + k + 1]
+            heads_ranked = tops[k - 1][t - t0] if k <= len(tops) else []
+            cand = merge_candidates(index.lookup(tail), heads_ranked, ranks)
+            target = x[t + k + 1]
+            out[k - 1].append(cand.index(target) if target in cand else ranks)
+    return [torch.tensor(r, dtype=torch.long) for r in out if r]
 
 
 def _step_times(backbone, drafter, tree, context: int, reps: int) -> list[float]:
@@ -130,20 +188,24 @@ def _step_times(backbone, drafter, tree, context: int, reps: int) -> list[float]
 
 
 @torch.inference_mode()
-def interleaved_latency(backbone, heads, trees: list, context: int, rounds: int) -> list[float]:
+def interleaved_latency(backbone, heads, trees: list, context: int, rounds: int,
+                        drafters: list | None = None) -> list[float]:
     """Median step seconds per tree, measured in ``rounds`` interleaved passes over all trees
-    (one warm-up pass first), so that a slow spell of a noisy machine hits every tree alike."""
-    drafter = HeadDrafter(heads)
+    (one warm-up pass first), so that a slow spell of a noisy machine hits every tree alike.
+    ``drafters[i]`` drafts tree i (default: the heads alone)."""
+    drafters = drafters or [HeadDrafter(heads)] * len(trees)
     samples: list[list[float]] = [[] for _ in trees]
     for r in tqdm(range(rounds + 1), desc="latency", unit="round"):
         for i, tree in enumerate(trees):
-            t = _step_times(backbone, drafter, tree, context, 1)[0]
+            t = _step_times(backbone, drafters[i], tree, context, 1)[0]
             if r:
                 samples[i].append(t)
     return [statistics.median(s) for s in samples]
 
 
 def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
+    """Measure, choose and store the best tree for the heads alone and (``cfg.copy``) for
+    the heads with context copy; see the module docstring."""
     from cadence.backbone import load_backbone
     from cadence.heads import load_heads
 
@@ -151,23 +213,35 @@ def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
         raise CadenceError("--heads DIR is required")
     backbone = backbone or load_backbone(cfg.model, cfg.dtype, cfg.device)
     heads = load_heads(cfg.heads, backbone)
-    acc = rank_table(backbone, heads, cfg.data, cfg.tokens, cfg.ranks)
-    candidates = [[]] + [grow_tree(acc, b) for b in cfg.budgets]
-    trees = [compile_tree(p, name=f"calibrated-{len(p)}") for p in candidates]
-    lats = interleaved_latency(backbone, heads, trees, cfg.context, cfg.reps)
+    copy = CopyConfig() if cfg.copy else None
+    acc, copy_acc = rank_tables(backbone, heads, cfg.data, cfg.tokens, cfg.ranks, copy, cfg.copy_depth)
+    variants = [("heads", acc, HeadDrafter(heads))]
+    if copy_acc is not None:
+        variants.append(("copy", copy_acc, HeadDrafter(heads, copy, cfg.copy_depth)))
+    candidates = [("heads", [], variants[0][2])] + [
+        (name, grow_tree(table, b), drafter) for name, table, drafter in variants for b in cfg.budgets]
+    trees = [compile_tree(p, name=f"calibrated-{name}-{len(p)}") for name, p, _ in candidates]
+    lats = interleaved_latency(backbone, heads, trees, cfg.context, cfg.reps, [d for _, _, d in candidates])
     base = lats[0]
-    rows, best = [], (0.0, [])
-    for paths, lat in zip(candidates, lats):
-        tau = expected_tau(paths, acc)
-        rows.append({"budget": len(paths), "expected_tau": tau, "latency_ms": lat * 1e3,
-                     "expected_tok_s": tau / lat, "paths": [list(p) for p in paths]})
-        if tau / lat > best[0]:
-            best = (tau / lat, paths)
-    report = {"acceptance": acc, "trees": rows, "chosen_budget": len(best[1]),
-              "expected_speedup": best[0] * base, "context": cfg.context}
+    rows = []
+    best = {name: (1.0 / base, []) for name, _, _ in variants}  # plain decoding is always a candidate
+    for (name, paths, _), lat in zip(candidates, lats):
+        table = copy_acc if name == "copy" else acc
+        tau = expected_tau(paths, table)
+        rows.append({"drafter": name, "budget": len(paths), "depth": max(map(len, paths), default=0),
+                     "expected_tau": tau, "latency_ms": lat * 1e3, "expected_tok_s": tau / lat,
+                     "paths": [list(p) for p in paths]})
+        for key in ([name] if paths else list(best)):
+            if tau / lat > best[key][0]:
+                best[key] = (tau / lat, paths)
+    report = {"acceptance": acc, "copy_acceptance": copy_acc, "trees": rows, "context": cfg.context,
+              "chosen": {name: {"budget": len(p), "expected_speedup": v * base, "paths": [list(x) for x in p]}
+                         for name, (v, p) in best.items()}}
     heads_dir = Path(cfg.heads)
     conf = json.loads((heads_dir / "config.json").read_text())
-    conf.update(tree=[list(p) for p in best[1]], acceptance=acc)
+    conf.update(tree=[list(p) for p in best["heads"][1]], acceptance=acc)
+    if "copy" in best:
+        conf.update(copy_tree=[list(p) for p in best["copy"][1]], copy_acceptance=copy_acc)
     atomic_write_json(heads_dir / "config.json", conf)
     atomic_write_json(heads_dir / "calibration.json", report)
     return report
@@ -181,9 +255,11 @@ def register(sub) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     report = calibrate(from_args(CalibrateConfig, args))
-    print("| draft nodes | expected tau | step ms | expected tok/s |\n|---|---|---|---|")
+    print("| drafter | draft nodes | depth | expected tau | step ms | expected tok/s |\n|---|---|---|---|---|---|")
     for r in report["trees"]:
-        print(f"| {r['budget']} | {r['expected_tau']:.3f} | {r['latency_ms']:.1f} | {r['expected_tok_s']:.2f} |")
-    print(f"chosen: {report['chosen_budget']} draft nodes, expected speedup {report['expected_speedup']:.2f}x "
-          "over plain decoding (from measured latency and acceptance)")
+        print(f"| {r['drafter']} | {r['budget']} | {r['depth']} | {r['expected_tau']:.3f} | "
+              f"{r['latency_ms']:.1f} | {r['expected_tok_s']:.2f} |")
+    for name, c in report["chosen"].items():
+        print(f"chosen ({name}): {c['budget']} draft nodes, expected speedup {c['expected_speedup']:.2f}x "
+              "over plain decoding (from measured latency and acceptance)")
     return 0

@@ -4,7 +4,9 @@
 batched over every node that has children, on the state of that node's path.
 At T = 0 children are the head's top-ranked tokens; at T > 0 they are independent
 draws from the head's distribution q (the same sampling parameters as the backbone),
-and q is returned so that verification can be lossless.
+and q is returned so that verification can be lossless. With context copy (greedy
+only) a node's candidates start with the token that followed the same n-gram earlier
+in the request, and levels deeper than K are filled by copies alone.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.sampling import SamplingParams, probs
 from cadence.trees import CompiledTree
 
@@ -25,29 +28,49 @@ class Draft:
 
 
 class Drafter(Protocol):
-    num_heads: int  # deepest tree this drafter can fill
+    num_heads: int  # K: the deepest level the heads draft
 
     def draft(self, tree: CompiledTree, root: int, hidden: torch.Tensor, context: list[int],
               sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         """hidden: (d,) backbone state that produced ``root``; context: committed ids."""
         ...
 
+    def max_depth(self, sampling: SamplingParams) -> int:
+        """Deepest tree level this drafter can fill under ``sampling``."""
+        ...
+
 
 class HeadDrafter:
-    """Drafts with trained (or random) MTP heads."""
+    """Drafts with trained (or random) MTP heads, optionally with context copies.
 
-    def __init__(self, heads):
+    With ``copy`` set and greedy decoding, each node's candidate list is the context
+    copy (``context_copy``) followed by the head's ranked candidates, and tree levels
+    deeper than K hold copies only (a level with no copy gets a placeholder that
+    verification rejects, unless it happens to be right).
+    """
+
+    def __init__(self, heads, copy: CopyConfig | None = None, copy_depth: int = 0):
         self.heads = heads
         self.num_heads = heads.K
         self.vocab_size = heads.cfg.vocab_size
+        self.index = NgramIndex(copy) if copy is not None else None
+        self.copy_depth = max(copy_depth, heads.K)  # deepest level a copy may fill
+
+    def max_depth(self, sampling: SamplingParams) -> int:
+        """Deepest tree level this drafter can fill under ``sampling``."""
+        return self.copy_depth if self.index is not None and sampling.greedy else self.num_heads
 
     @torch.inference_mode()
     def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:
+        if tree.max_depth > self.max_depth(sampling):
+            raise ValueError(f"tree depth {tree.max_depth} > {self.max_depth(sampling)} this drafter can fill")
         n = tree.size
         device = hidden.device
-        tokens = torch.empty(n, dtype=torch.long, device=device)
-        tokens[0] = root
+        tokens = [root] + [0] * (n - 1)
         q = None
+        copying = self.index is not None and sampling.greedy
+        if copying:
+            self.index.sync(list(context) + [root])
         state_of: dict[int, torch.Tensor] = {-1: self.heads.init_state(hidden[None])[0]}
         by_depth: dict[int, list[int]] = {}
         for node in range(n):
@@ -55,26 +78,52 @@ class HeadDrafter:
                 by_depth.setdefault(tree.depths[node], []).append(node)
         for depth in sorted(by_depth):
             nodes = by_depth[depth]
-            prev = torch.stack([state_of[tree.parents[i]] for i in nodes])
-            logits, vocab_ids, states = self.heads.draft_step(depth + 1, prev, tokens[nodes])
-            for j, node in enumerate(nodes):
-                state_of[node] = states[j]
             widths = [tree.width(i) for i in nodes]
-            if sampling.greedy:
-                cand = logits.topk(max(widths), dim=-1).indices  # (P, max width)
-            else:
-                dist = probs(logits, sampling)
-                if q is None:
-                    q = torch.zeros(n, self.vocab_size, device=device)
-                if vocab_ids is None:
-                    q[nodes] = dist
-                else:  # q lives on the full vocabulary, zero outside the draft subset
-                    q[nodes] = torch.zeros(len(nodes), self.vocab_size, device=device).index_copy_(
-                        1, vocab_ids, dist)
-                cand = torch.multinomial(dist, max(widths), replacement=True, generator=generator)
-            if vocab_ids is not None:
-                cand = vocab_ids[cand]
+            cands: list[list[int]] = [[] for _ in nodes]
+            if depth < self.num_heads:
+                prev = torch.stack([state_of[tree.parents[i]] for i in nodes])
+                node_tokens = torch.tensor([tokens[i] for i in nodes], device=device)
+                logits, vocab_ids, states = self.heads.draft_step(depth + 1, prev, node_tokens)
+                for j, node in enumerate(nodes):
+                    state_of[node] = states[j]
+                cands, q = self._candidates(logits, vocab_ids, nodes, widths, sampling, generator, q, n)
+            if copying:
+                for j, node in enumerate(nodes):
+                    cands[j] = merge_candidates(self.index.lookup(self._tail(tree, tokens, node, context)),
+                                                cands[j], widths[j])
             for j, node in enumerate(nodes):
                 for child in tree.children[node]:
-                    tokens[child] = cand[j, tree.ranks[child]]
-        return Draft(tokens=tokens, q=q)
+                    r = tree.ranks[child]
+                    tokens[child] = cands[j][r] if r < len(cands[j]) else tokens[node]
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q)
+
+    def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n):
+        """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0."""
+        if sampling.greedy:
+            cand = logits.topk(max(widths), dim=-1).indices  # (P, max width)
+        else:
+            dist = probs(logits, sampling)
+            if q is None:
+                q = torch.zeros(n, self.vocab_size, device=logits.device)
+            if vocab_ids is None:
+                q[nodes] = dist
+            else:  # q lives on the full vocabulary, zero outside the draft subset
+                q[nodes] = torch.zeros(len(nodes), self.vocab_size, device=logits.device).index_copy_(
+                    1, vocab_ids, dist)
+            cand = torch.multinomial(dist, max(widths), replacement=True, generator=generator)
+        if vocab_ids is not None:
+            cand = vocab_ids[cand]
+        return cand.tolist(), q
+
+    def _tail(self, tree, tokens: list[int], node: int, context) -> list[int]:
+        """The last ``max_n`` known tokens ending at ``node``: context, root, then the path."""
+        path = []
+        j = node
+        while j >= 0:
+            path.append(tokens[j])
+            j = tree.parents[j]
+        need = self.index.cfg.max_n
+        path.reverse()
+        if len(path) < need:
+            path = list(context[-(need - len(path)):]) + path
+        return path[-need:]

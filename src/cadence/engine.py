@@ -8,7 +8,8 @@ autoregressive decoding through the very same backbone path ("vanilla").
 One step, with ``past`` committed tokens in the cache and ``root`` the backbone's
 next token (not yet in the cache), ``h`` the hidden state that produced it:
   1. stop here if committing ``root`` finishes the request (EOS / max tokens);
-  2. tree = scheduler.choose(); the drafter fills it from (h, root);
+  2. tree = scheduler.choose(), cut to the depth the drafter can fill (copies reach
+     deeper than the heads, greedy only); the drafter fills it from (h, root);
   3. one backbone forward over the N+1 nodes with the tree mask, positions past+depth;
   4. verdict = rule(tree, tokens, logits): accepted nodes (root first) and a bonus;
   5. commit the accepted tokens, compact the cache to them, root <- bonus,
@@ -28,7 +29,7 @@ from cadence.errors import CadenceError
 from cadence.sampling import SamplingParams, entropy, probs, sample
 from cadence.schedulers.base import Scheduler, StepInfo
 from cadence.schedulers.static import StaticScheduler
-from cadence.trees import attention_mask, compile_tree
+from cadence.trees import attention_mask, compile_tree, truncate
 from cadence.verify import RULES, Rule, VerifyContext
 
 
@@ -144,6 +145,8 @@ class Engine:
                 return
             t_step = time.perf_counter()
             tree = self.scheduler.choose() if self.drafter is not None else ROOT_ONLY
+            if tree.size > 1:
+                tree = truncate(tree, self.drafter.max_depth(cfg.sampling))
             if tree.size > 1:
                 draft = self.drafter.draft(tree, root, hidden, context, cfg.sampling, gen)
                 tokens, q = draft.tokens, draft.q

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from cadence.context_copy import CopyConfig
 from cadence.drafter import HeadDrafter
 from cadence.engine import Engine
 from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads
+from cadence.sampling import SamplingParams
 from cadence.schedulers import StaticScheduler
 from cadence.trees import CompiledTree, compile_tree, preset
 
@@ -41,6 +43,8 @@ class MethodSpec:
     heads: str = "default"  # default (shipped for the model) | random | path to a heads directory
     tree: str = "auto"  # tree preset (root, chain, chain-D, tree-N) or auto (the heads' recommended tree)
     num_heads: int = 3  # K for --heads random
+    copy: bool = True  # greedy only: rank the context copy (token after the same n-gram earlier) first
+    copy_depth: int = 8  # deepest tree level a context copy may fill (presets; calibrated trees say their own)
     heads_seed: int = 0  # seed for --heads random
 
 
@@ -68,10 +72,12 @@ def resolve_heads(backbone, spec: MethodSpec):
     return heads
 
 
-def recommended_tree(heads) -> CompiledTree:
-    """The tree calibrated for these heads (``tree`` in config.json), else the top-1 chain."""
-    if heads.cfg.tree is not None:  # [] is a calibrated answer too: do not speculate
-        return compile_tree([tuple(p) for p in heads.cfg.tree], name="calibrated")
+def recommended_tree(heads, copy: bool = False) -> CompiledTree:
+    """The tree calibrated for these heads (``copy_tree`` or ``tree`` in config.json, by
+    ``copy``), else the top-1 chain of the K heads."""
+    paths = heads.cfg.copy_tree if copy else heads.cfg.tree
+    if paths is not None:  # [] is a calibrated answer too: do not speculate
+        return compile_tree([tuple(p) for p in paths], name="calibrated+copy" if copy else "calibrated")
     return compile_tree(preset("chain", heads.K), name="chain")
 
 
@@ -80,8 +86,10 @@ def make_engine(backbone, spec: MethodSpec) -> Engine:
     if spec.method is Method.VANILLA:
         return Engine(backbone)
     heads = resolve_heads(backbone, spec)
-    if spec.tree == "auto":
-        scheduler = StaticScheduler(recommended_tree(heads))
-    else:
-        scheduler = StaticScheduler.from_preset(spec.tree, heads.K)
-    return Engine(backbone, HeadDrafter(heads), scheduler)
+    copy = CopyConfig() if spec.copy else None
+    tree = recommended_tree(heads, spec.copy) if spec.tree == "auto" else None
+    depth = max(spec.copy_depth, tree.max_depth) if tree is not None and spec.copy else spec.copy_depth
+    drafter = HeadDrafter(heads, copy, depth)
+    if tree is None:
+        tree = compile_tree(preset(spec.tree, drafter.max_depth(SamplingParams())), name=spec.tree)
+    return Engine(backbone, drafter, StaticScheduler(tree))

@@ -86,7 +86,8 @@ SPARSE_SIZES = (4, 8, 16, 32, 64)
 
 
 def preset(name: str, max_depth: int) -> list[Path]:
-    """Preset by name for heads with ``max_depth`` = K heads.
+    """Preset by name for a drafter that fills ``max_depth`` levels (K heads, or the copy
+    depth when drafting with context copy).
 
     Names: ``root`` (no drafts: plain decoding), ``chain`` (depth K), ``chain-D``,
     ``tree-N`` for N in 4, 8, 16, 32, 64 (``tree-64`` is the Medusa-style sparse tree),
@@ -99,7 +100,8 @@ def preset(name: str, max_depth: int) -> list[Path]:
     if name.startswith("chain-") and name[6:].isdigit():
         d = int(name[6:])
         if not 1 <= d <= max_depth:
-            raise CadenceError(f"tree {name!r} needs {d} heads; these heads have {max_depth}")
+            raise CadenceError(f"tree {name!r} is {d} levels deep; this drafter fills at most {max_depth} "
+                               "(K heads; deeper with context copy, --copy-depth)")
         return chain(d)
     if name.startswith("tree-") and name[5:].isdigit() and int(name[5:]) in SPARSE_SIZES:
         return grow_tree(prior_acceptance(max_depth, ranks=int(name[5:])), int(name[5:]))
@@ -199,6 +201,14 @@ def compile_tree(paths: list[Path], name: str = "custom") -> CompiledTree:
     paths = [tuple(int(r) for r in p) for p in paths]
     _validate(paths)
     return _compile_cached(name, tuple(sorted(paths, key=lambda p: (len(p), p))))
+
+
+def truncate(tree: CompiledTree, depth: int) -> CompiledTree:
+    """The nodes of ``tree`` at depth <= ``depth`` (e.g. a copy-deepened tree when
+    sampling, where only the K heads can draft)."""
+    if tree.max_depth <= depth:
+        return tree
+    return compile_tree([p for p in tree.paths if len(p) <= depth], name=f"{tree.name}@{depth}")
 
 
 def attention_mask(tree: CompiledTree, past: int, dtype: torch.dtype, device) -> torch.Tensor:

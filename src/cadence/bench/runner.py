@@ -93,21 +93,26 @@ class MethodEntry:
 
 
 def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
-    """'vanilla' | 'hydra' | 'hydra:tree-16' | 'hf-generate' | 'hf-pld' | 'llama.cpp'."""
-    name, _, tree = text.strip().partition(":")
+    """'vanilla' | 'hydra' | 'hydra:tree-16' | 'hydra/nocopy' | 'hf-generate' | 'hf-pld' | 'llama.cpp'.
+
+    A head method drafts with context copy (greedy) unless it ends in '/nocopy'."""
+    text, _, flag = text.strip().partition("/")
+    if flag not in ("", "nocopy"):
+        raise CadenceError(f"unknown method option /{flag} in {text}/{flag!r}; the only option is /nocopy")
+    name, _, tree = text.partition(":")
     name = name.lower()
     if name in ("llama-cpp", "llamacpp", "llama_cpp"):
         name = "llama.cpp"
     if name in PEERS:
-        if tree:
-            raise CadenceError(f"peer {name} takes no tree ({text!r})")
+        if tree or flag:
+            raise CadenceError(f"peer {name} takes no tree or option ({text!r})")
         return MethodEntry(name, "peer")
     if name not in ENGINE_METHODS:
         raise CadenceError(f"unknown method {text!r}; choose from {', '.join(ENGINE_METHODS + PEERS)} "
                            "(head methods may name a tree, e.g. hydra:tree-16)")
     if name == "vanilla":
-        if tree:
-            raise CadenceError("vanilla takes no tree")
+        if tree or flag:
+            raise CadenceError("vanilla takes no tree or option")
         return MethodEntry("vanilla", "engine", MethodSpec(method=Method.VANILLA))
     heads = cfg.heads
     if cfg.heads_dir:
@@ -118,8 +123,9 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
     elif heads not in ("default", "random") and not Path(heads).is_dir():
         raise CadenceError(f"heads directory {heads} does not exist")
     spec = MethodSpec(method=Method(name), heads=heads, tree=tree or "auto",
-                      num_heads=cfg.num_heads, heads_seed=cfg.heads_seed)
-    return MethodEntry(f"{name}:{tree}" if tree else name, "engine", spec)
+                      num_heads=cfg.num_heads, heads_seed=cfg.heads_seed, copy=not flag)
+    label = (f"{name}:{tree}" if tree else name) + (f"/{flag}" if flag else "")
+    return MethodEntry(label, "engine", spec)
 
 
 def parse_methods(cfg: BenchConfig) -> list[MethodEntry]:

@@ -37,6 +37,8 @@ class HeadConfig:
     rms_eps: float = 1e-5  # RMSNorm epsilon (mtp)
     tree: list | None = None  # recommended draft tree (list of rank paths), written by `cadence calibrate`
     acceptance: list | None = None  # a[k][i]: measured P(head k+1's rank-i candidate is right | path right)
+    copy_tree: list | None = None  # recommended tree when drafting with context copy (greedy), by `cadence calibrate`
+    copy_acceptance: list | None = None  # a[k][i] with the context copy ranked first (rows past K: copy only)
 
     def to_dict(self) -> dict:
         return asdict(self)
