@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from cadence.calibrate import CalibrateConfig, calibrate, rank_table
@@ -60,3 +61,24 @@ def test_calibrate_stores_a_tree_that_auto_uses(tmp_path):
     assert conf["acceptance"] == rep["acceptance"] and conf["copy_acceptance"] == rep["copy_acceptance"]
     assert (hdir / "calibration.json").is_file()
     assert load_heads(hdir, bb).cfg.copy_tree == conf["copy_tree"]
+
+
+def test_auto_n_trees_grow_from_the_stored_acceptance(tmp_path):
+    from cadence.errors import CadenceError
+    from cadence.trees import grow_tree
+
+    bb, model, data = _setup(tmp_path)
+    hdir = save_heads(new_heads("hydra", bb, 2, random=True), tmp_path / "heads")
+    with pytest.raises(CadenceError, match="cadence calibrate"):
+        make_engine(bb, MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="auto-4"))
+    conf = json.loads((hdir / "config.json").read_text())
+    conf.update(acceptance=[[0.5, 0.2], [0.4, 0.1]],
+                copy_acceptance=[[0.6, 0.2], [0.5, 0.1], [0.8, 0.0], [0.9, 0.0]])
+    (hdir / "config.json").write_text(json.dumps(conf))
+    for copy, table in [(False, conf["acceptance"]), (True, conf["copy_acceptance"])]:
+        eng = make_engine(bb, MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="auto-5", copy=copy))
+        tree = eng.scheduler.choose()
+        assert tree.name == "auto-5" and list(tree.paths) == grow_tree(table, 5)
+    assert eng.scheduler.choose().max_depth == 4  # copies reach past the 2 heads
+    with pytest.raises(CadenceError, match="auto-N needs a node count"):
+        make_engine(bb, MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="auto-x"))

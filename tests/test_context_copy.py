@@ -56,6 +56,11 @@ def test_drafter_puts_the_copy_first_and_fills_levels_past_k(llama):
     assert [int(d.tokens[i]) for i in chain_nodes] == [13, 10, 11, 12, 13, 10]
     plain = HeadDrafter(heads).draft(compile_tree([(0,), (1,)]), root, hidden, context, SamplingParams(), None)
     assert int(d.tokens[tree.paths.index((1,)) + 1]) == int(plain.tokens[1])  # rank 1 = the head's top-1
+    # no copy past K (context without repeats): those levels are dropped, not verified
+    d2 = drafter.draft(tree, root, hidden, [1, 2, 3, 4], SamplingParams(), None)
+    assert d2.tree is not None and d2.tree.max_depth == K and d2.tree.size == K + 2
+    assert len(d2.tokens) == d2.tree.size and int(d2.tokens[0]) == root
+    assert d.tree is None  # every node carried a candidate: the tree asked for
     with pytest.raises(ValueError, match="depth 6"):
         HeadDrafter(heads).draft(tree, root, hidden, context, SamplingParams(), None)
 

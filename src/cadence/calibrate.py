@@ -167,16 +167,22 @@ def _copy_ranks(x: list[int], t0: int, tops: list[list[list[int]]], copy: CopyCo
 
 
 def _step_times(backbone, drafter, tree, context: int, reps: int) -> list[float]:
+    """Seconds of one engine step on ``tree`` after ``context`` tokens. The context repeats
+    a 16-token pattern, so context copies always exist and every node of a copy tree is
+    drafted and verified (the cost of the whole tree, never of a pruned one)."""
     gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(0, backbone.vocab_size, (1, context), generator=gen).to(backbone.device)
+    pattern = torch.randint(0, backbone.vocab_size, (16,), generator=gen)
+    ctx = pattern.repeat(context // 16 + 2)[:context + 1].to(backbone.device)[None]
+    root, ctx = int(ctx[0, -1]), ctx[:, :-1]
     times = []
     for _ in range(reps):
         cache = kv_cache.new_cache(backbone)
         out = backbone.forward(ctx, cache, need_logits=False)
-        hidden, root = out.hidden[0, -1], int(ctx[0, -1])
+        hidden = out.hidden[0, -1]
         t = time.perf_counter()
         if tree.size > 1:
-            tokens = drafter.draft(tree, root, hidden, [], SamplingParams(), None).tokens
+            draft = drafter.draft(tree, root, hidden, ctx[0].tolist(), SamplingParams(), None)
+            tokens, tree = draft.tokens, draft.tree or tree
         else:
             tokens = torch.tensor([root], device=backbone.device)
         mask = None if tree.is_chain else attention_mask(tree, context, backbone.dtype, backbone.device)

@@ -18,13 +18,14 @@ import torch
 
 from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.sampling import SamplingParams, probs
-from cadence.trees import CompiledTree
+from cadence.trees import CompiledTree, compile_tree
 
 
 @dataclass
 class Draft:
     tokens: torch.Tensor  # (N+1,) long: node 0 is the root token
     q: torch.Tensor | None  # (N+1, V) distribution each node's children were drawn from (T > 0)
+    tree: CompiledTree | None = None  # the tree actually filled, when nodes were dropped (else the one asked for)
 
 
 class Drafter(Protocol):
@@ -45,8 +46,9 @@ class HeadDrafter:
 
     With ``copy`` set and greedy decoding, each node's candidate list is the context
     copy (``context_copy``) followed by the head's ranked candidates, and tree levels
-    deeper than K hold copies only (a level with no copy gets a placeholder that
-    verification rejects, unless it happens to be right).
+    deeper than K hold copies only. A node past K with no copy is dropped with its
+    subtree, and ``Draft.tree`` is the smaller tree: verification then pays only for
+    the nodes that carry a candidate.
     """
 
     def __init__(self, heads, copy: CopyConfig | None = None, copy_depth: int = 0):
@@ -76,8 +78,11 @@ class HeadDrafter:
         for node in range(n):
             if tree.children[node]:
                 by_depth.setdefault(tree.depths[node], []).append(node)
+        filled = [True] * n
         for depth in sorted(by_depth):
-            nodes = by_depth[depth]
+            nodes = [i for i in by_depth[depth] if filled[i]]
+            if not nodes:
+                continue
             widths = [tree.width(i) for i in nodes]
             cands: list[list[int]] = [[] for _ in nodes]
             if depth < self.num_heads:
@@ -94,8 +99,18 @@ class HeadDrafter:
             for j, node in enumerate(nodes):
                 for child in tree.children[node]:
                     r = tree.ranks[child]
-                    tokens[child] = cands[j][r] if r < len(cands[j]) else tokens[node]
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q)
+                    if r < len(cands[j]):
+                        tokens[child] = cands[j][r]
+                    else:
+                        filled[child] = False
+        for node in range(1, n):  # nodes under a dropped node are dropped too
+            filled[node] = filled[node] and filled[tree.parents[node]]
+        if all(filled):
+            return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q)
+        keep = [i for i in range(1, n) if filled[i]]
+        sub = compile_tree([tree.paths[i - 1] for i in keep], name=tree.name)
+        return Draft(tokens=torch.tensor([root] + [tokens[i] for i in keep], dtype=torch.long, device=device),
+                     q=q, tree=sub)
 
     def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n):
         """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0."""

@@ -149,7 +149,7 @@ class Engine:
                 tree = truncate(tree, self.drafter.max_depth(cfg.sampling))
             if tree.size > 1:
                 draft = self.drafter.draft(tree, root, hidden, context, cfg.sampling, gen)
-                tokens, q = draft.tokens, draft.q
+                tokens, q, tree = draft.tokens, draft.q, draft.tree or tree
             else:
                 tokens, q = torch.tensor([root], device=bb.device), None
             if tree.is_chain:  # causal attention and contiguous positions suffice

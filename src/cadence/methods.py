@@ -19,7 +19,7 @@ from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads
 from cadence.sampling import SamplingParams
 from cadence.schedulers import StaticScheduler
-from cadence.trees import CompiledTree, compile_tree, preset
+from cadence.trees import CompiledTree, compile_tree, grow_tree, preset
 
 SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads"
 SHIPPED_FOR = {"SmolLM2-135M-Instruct": "smollm2"}  # backbone name -> folder under assets/heads
@@ -41,7 +41,7 @@ class MethodSpec:
 
     method: Method = Method.HYDRA  # vanilla | medusa | hydra | mtp
     heads: str = "default"  # default (shipped for the model) | random | path to a heads directory
-    tree: str = "auto"  # tree preset (root, chain, chain-D, tree-N) or auto (the heads' recommended tree)
+    tree: str = "auto"  # tree preset (root, chain, chain-D, tree-N), auto (the heads' calibrated tree) or auto-N (N nodes grown from the heads' calibrated acceptance)
     num_heads: int = 3  # K for --heads random
     copy: bool = True  # greedy only: rank the context copy (token after the same n-gram earlier) first
     copy_depth: int = 8  # deepest tree level a context copy may fill (presets; calibrated trees say their own)
@@ -81,13 +81,30 @@ def recommended_tree(heads, copy: bool = False) -> CompiledTree:
     return compile_tree(preset("chain", heads.K), name="chain")
 
 
+def grown_tree(heads, copy: bool, name: str) -> CompiledTree:
+    """``auto-N``: the N-node tree grown from the acceptance table ``cadence calibrate``
+    measured for these heads (with or without context copy)."""
+    size = name[len("auto-"):]
+    if not size.isdigit() or int(size) < 1:
+        raise CadenceError(f"bad tree {name!r}: auto-N needs a node count N >= 1, e.g. auto-8")
+    table = heads.cfg.copy_acceptance if copy else heads.cfg.acceptance
+    if table is None:
+        raise CadenceError(f"--tree {name} needs the acceptance table of `cadence calibrate` "
+                           f"({'copy_acceptance' if copy else 'acceptance'} in the heads' config.json)")
+    return compile_tree(grow_tree(table, int(size)), name=name)
+
+
 def make_engine(backbone, spec: MethodSpec) -> Engine:
     """Backbone + heads + drafter + static scheduler for ``spec`` (vanilla: no drafter)."""
     if spec.method is Method.VANILLA:
         return Engine(backbone)
     heads = resolve_heads(backbone, spec)
     copy = CopyConfig() if spec.copy else None
-    tree = recommended_tree(heads, spec.copy) if spec.tree == "auto" else None
+    tree = None
+    if spec.tree == "auto":
+        tree = recommended_tree(heads, spec.copy)
+    elif spec.tree.startswith("auto-"):
+        tree = grown_tree(heads, spec.copy, spec.tree)
     depth = max(spec.copy_depth, tree.max_depth) if tree is not None and spec.copy else spec.copy_depth
     drafter = HeadDrafter(heads, copy, depth)
     if tree is None:
