@@ -145,3 +145,17 @@ def test_llama_cpp_peer_with_a_fake_module(tiny, tmp_path, monkeypatch):
     assert peer.generate([1], GenerationConfig(max_new_tokens=1)).tokens == hi[:1]
     with pytest.raises(CadenceError, match="GGUF"):
         make_peer("llama.cpp", tiny, str(tmp_path))
+
+
+def test_method_names_with_trees_and_nocopy():
+    from cadence.bench.runner import parse_method
+
+    cfg = BenchConfig(heads="random")
+    e = parse_method("mtp:auto-8/nocopy", cfg)
+    assert e.label == "mtp:auto-8/nocopy" and e.spec.tree == "auto-8" and e.spec.copy is False
+    e = parse_method("Hydra", cfg)
+    assert e.label == "hydra" and e.spec.tree == "auto" and e.spec.copy is True
+    for bad, msg in [("hydra/fast", "only option is /nocopy"), ("vanilla/nocopy", "vanilla takes no"),
+                     ("hf-pld/nocopy", "takes no tree or option")]:
+        with pytest.raises(CadenceError, match=msg):
+            parse_method(bad, cfg)
