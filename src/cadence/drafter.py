@@ -41,6 +41,21 @@ class Drafter(Protocol):
         ...
 
 
+def _drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, device) -> Draft:
+    """The draft over the nodes that got a candidate (and whose ancestors all did).
+
+    Example: chain (0,), (0,0), (0,0,0) with no candidate for node 2 -> nodes 2 and 3 go,
+    Draft.tree is the chain (0,) and Draft.tokens is [root, token of node 1]."""
+    for node in range(1, tree.size):  # parents come before children in node order
+        filled[node] = filled[node] and filled[tree.parents[node]]
+    if all(filled):
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q)
+    keep = [i for i in range(1, tree.size) if filled[i]]
+    sub = compile_tree([tree.paths[i - 1] for i in keep], name=tree.name)
+    return Draft(tokens=torch.tensor([tokens[0]] + [tokens[i] for i in keep], dtype=torch.long, device=device),
+                 q=None if q is None else q[[0] + keep], tree=sub)
+
+
 class HeadDrafter:
     """Drafts with trained (or random) MTP heads, optionally with context copies.
 
@@ -103,14 +118,7 @@ class HeadDrafter:
                         tokens[child] = cands[j][r]
                     else:
                         filled[child] = False
-        for node in range(1, n):  # nodes under a dropped node are dropped too
-            filled[node] = filled[node] and filled[tree.parents[node]]
-        if all(filled):
-            return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q)
-        keep = [i for i in range(1, n) if filled[i]]
-        sub = compile_tree([tree.paths[i - 1] for i in keep], name=tree.name)
-        return Draft(tokens=torch.tensor([root] + [tokens[i] for i in keep], dtype=torch.long, device=device),
-                     q=q, tree=sub)
+        return _drop_unfilled(tree, tokens, filled, q, device)
 
     def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n):
         """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0."""
