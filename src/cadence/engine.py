@@ -147,7 +147,6 @@ class Engine:
             tree = self.scheduler.choose() if self.drafter is not None else ROOT_ONLY
             if tree.size > 1:
                 tree = truncate(tree, self.drafter.max_depth(cfg.sampling))
-            if tree.size > 1:
                 draft = self.drafter.draft(tree, root, hidden, context, cfg.sampling, gen)
                 tokens, q, tree = draft.tokens, draft.q, draft.tree or tree
             else:

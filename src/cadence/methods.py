@@ -105,8 +105,7 @@ def make_engine(backbone, spec: MethodSpec) -> Engine:
         tree = recommended_tree(heads, spec.copy)
     elif spec.tree.startswith("auto-"):
         tree = grown_tree(heads, spec.copy, spec.tree)
-    depth = max(spec.copy_depth, tree.max_depth) if tree is not None and spec.copy else spec.copy_depth
-    drafter = HeadDrafter(heads, copy, depth)
+    drafter = HeadDrafter(heads, copy, max(spec.copy_depth, tree.max_depth if tree is not None else 0))
     if tree is None:
         tree = compile_tree(preset(spec.tree, drafter.max_depth(SamplingParams())), name=spec.tree)
     return Engine(backbone, drafter, StaticScheduler(tree))
