@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from cadence import kv_cache
 from cadence.backbone import load_backbone
 from cadence.engine import Engine, GenerationConfig
 from cadence.machine import machine_info, machine_line
-from cadence.trees import attention_mask, compile_tree, preset
+from cadence.latency import measure
 
 PROMPTS = [
     "Explain how a hash table works, in a few sentences.",
@@ -66,25 +64,11 @@ def engine_vs_generate(bb, max_new, repeats):
             "vanilla_over_hf": tps["vanilla"] / tps["hf"], "tokens": {k: v[0] for k, v in tot.items()}}
 
 
-@torch.inference_mode()
 def forward_costs(bb, context=200, sizes=(1, 4, 16, 32, 64), reps=9):
-    ctx = torch.randint(100, 1000, (1, context), generator=torch.Generator().manual_seed(0))
-    out = {}
-    for n in sizes:
-        tree = compile_tree(preset(f"tree-{n}", 3) if n in (4, 16, 32, 64) else [], name=f"n{n}")
-        times = []
-        for _ in range(reps):
-            cache = kv_cache.new_cache(bb)
-            bb.forward(ctx, cache, need_logits=False)
-            toks = torch.randint(100, 1000, (1, tree.size))
-            mask = None if tree.is_chain else attention_mask(tree, context, bb.dtype, bb.device)
-            pos = None if tree.is_chain else (torch.tensor(tree.depths) + context)[None]
-            t = time.perf_counter()
-            bb.forward(toks, cache, pos, mask)
-            times.append(time.perf_counter() - t)
-        out[n] = statistics.median(times[1:])
-    base = out[sizes[0]]
-    return {str(n): {"ms": round(s * 1000, 2), "relative": round(s / base, 2)} for n, s in out.items()}
+    """The verify-latency probe of ``cadence.latency`` (the forward the engine runs)."""
+    curve = measure(bb, sizes, context=context, rounds=reps)
+    base = curve(sizes[0])
+    return {str(n): {"ms": round(curve(n) * 1000, 2), "relative": round(curve(n) / base, 2)} for n in sizes}
 
 
 def main():

@@ -3,10 +3,12 @@
 import json
 
 import pytest
-import torch
 
 from cadence.calibrate import CalibrateConfig, calibrate, rank_table
+from cadence.engine import GenerationConfig
 from cadence.heads import load_heads, new_heads, save_heads
+from cadence.latency import LatencyCurve
+from cadence.tree_policy import best_tree
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.training.trainer import train
 from test_training_support import base_config, make_data, tiny_model_dir
@@ -51,13 +53,21 @@ def test_calibrate_stores_a_tree_that_auto_uses(tmp_path):
     ids = bb.encode_prompt("abc", chat=True)
     cfg = GenerationConfig(max_new_tokens=20)
     ref = Engine(bb).generate(ids, cfg).tokens
+    flat = LatencyCurve([1, 64], [0.01, 0.01])  # verification free: auto takes the largest useful tree
+    steep = LatencyCurve([1, 2, 64], [0.01, 0.05, 1.0])  # a draft node costs 4 tokens: never speculate
     for name, key, copy in [("heads", "tree", False), ("copy", "copy_tree", True)]:
         rows = [r for r in rep["trees"] if r["drafter"] == name or r["budget"] == 0]
         best = max(rows, key=lambda r: r["expected_tok_s"])
         assert len(conf[key]) == best["budget"] == rep["chosen"][name]["budget"]
-        engine = make_engine(bb, MethodSpec(method=Method.MTP, heads=str(hdir), tree="auto", copy=copy))
-        assert engine.scheduler.choose().size == best["budget"] + 1
+        table = conf["copy_acceptance" if copy else "acceptance"]
+        spec = MethodSpec(method=Method.MTP, heads=str(hdir), tree="auto", copy=copy)
+        engine = make_engine(bb, spec, latency=flat)
+        tree = engine.new_scheduler(GenerationConfig().sampling).plan.tree
+        want = best_tree(table, flat, engine.tree_policy.draft_s, 2, len(table)).paths
+        assert list(tree.paths) == want
         assert engine.generate(ids, cfg).tokens == ref  # calibrated heads still decode losslessly
+        engine = make_engine(bb, spec, latency=steep)
+        assert engine.new_scheduler(GenerationConfig().sampling).plan.tree.size == 1
     assert conf["acceptance"] == rep["acceptance"] and conf["copy_acceptance"] == rep["copy_acceptance"]
     assert (hdir / "calibration.json").is_file()
     assert load_heads(hdir, bb).cfg.copy_tree == conf["copy_tree"]
@@ -77,8 +87,8 @@ def test_auto_n_trees_grow_from_the_stored_acceptance(tmp_path):
     (hdir / "config.json").write_text(json.dumps(conf))
     for copy, table in [(False, conf["acceptance"]), (True, conf["copy_acceptance"])]:
         eng = make_engine(bb, MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="auto-5", copy=copy))
-        tree = eng.scheduler.choose()
-        assert tree.name == "auto-5" and list(tree.paths) == grow_tree(table, 5)
-    assert eng.scheduler.choose().max_depth == 4  # copies reach past the 2 heads
+        tree = eng.new_scheduler(GenerationConfig().sampling).plan.tree
+        assert tree.name == "auto-5" + ("+copy" if copy else "") and list(tree.paths) == grow_tree(table, 5)
+    assert eng.new_scheduler(GenerationConfig().sampling).plan.tree.max_depth == 4  # copies reach past the 2 heads
     with pytest.raises(CadenceError, match="auto-N needs a node count"):
         make_engine(bb, MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="auto-x"))

@@ -62,7 +62,8 @@ def test_generate_json_random_heads_is_lossless(capsys, model_dir, loaded, metho
                        "--tree", tree, "--max-new-tokens", 16, "--json")
     assert rc == 0, err
     [rec] = json_lines(out)
-    assert rec["method"] == method and rec["heads"] == "random" and rec["tree"] == tree
+    assert rec["method"] == method and rec["heads"] == "random" and rec["tree"] == tree + "+copy"
+    assert rec["lossless"] is True and rec["mean_nodes"] > 1
     assert rec["new_tokens"] == 16 and rec["steps"] <= 16
     assert rec["text"] == expected_text(loaded, PROMPT, 16)
 
@@ -78,7 +79,7 @@ def test_generate_with_saved_heads_and_prompt_file(capsys, tmp_path, model_dir, 
     recs = json_lines(out)
     assert [r["prompt"] for r in recs] == prompts
     for r in recs:
-        assert r["text"] == expected_text(loaded, r["prompt"], 10) and r["tree"] == "chain"
+        assert r["text"] == expected_text(loaded, r["prompt"], 10) and r["tree"] == "chain+copy"
 
 
 def test_generate_streams_text(capsys, model_dir, loaded):
@@ -187,7 +188,7 @@ def test_error_bad_tree_dtype_and_length(capsys, model_dir):
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "vanilla",
                        "--max-new-tokens", 600), "exceeds the model's 512 positions")
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "vanilla",
-                       "--max-new-tokens", 0), "max_new_tokens must be at least 1")
+                       "--max-new-tokens", 0), "max_new_tokens must be an integer >= 1")
 
 
 def test_argparse_errors_exit_2(capsys):

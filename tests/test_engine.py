@@ -62,7 +62,7 @@ def test_random_heads_equal_greedy_every_preset(bb, kind):
         assert g.text == ref.text
         assert g.stats.new_tokens == N
         assert g.stats.tau < 1.5, (kind, tree)  # random heads: (almost) nothing accepted
-        assert all(i.tree == tree for i in g.stats.step_log)
+        assert all(i.tree.split("@")[0] == tree for i in g.stats.step_log)  # "@d": cut near the end
 
 
 @pytest.mark.parametrize("tree", PRESETS)
@@ -72,7 +72,7 @@ def test_oracle_equals_greedy_and_accepts_everything(bb, tree):
     eng = spec_engine(bb, oracle, tree)
     g = eng.generate(ids, GenerationConfig(max_new_tokens=N))
     assert g.tokens == ref.tokens
-    D = eng.scheduler.choose().max_depth
+    D = eng.new_scheduler(GenerationConfig().sampling).plan.tree.max_depth
     s = g.stats
     # every step commits D + 1 tokens except the last, which commits what is left
     assert s.steps == math.ceil(N / (D + 1))
@@ -112,10 +112,11 @@ def test_streamed_chunks_concatenate_to_generate(llama):
     ids, ref = reference(llama)
     oracle = OracleDrafter(ref.tokens, len(ids), K, llama.vocab_size)
     eng = spec_engine(llama, oracle, "tree-8")
-    chunks = list(eng.stream(ids, GenerationConfig(max_new_tokens=N)))
-    assert [t for c in chunks for t in c] == ref.tokens
+    req = eng.stream(ids, GenerationConfig(max_new_tokens=N))
+    chunks = list(req)
+    assert [t for c in chunks for t in c] == ref.tokens == req.tokens
     assert all(1 <= len(c) <= 4 for c in chunks)
-    assert len(chunks) == eng.last_stats.steps
+    assert len(chunks) == req.stats.steps
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 9])
@@ -237,14 +238,9 @@ def test_bfloat16_backbone_tree_decoding():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_default_model_random_heads_equal_greedy(kind):
+def test_default_model_random_heads_equal_greedy(kind, default_backbone):
     """The real default model (SmolLM2-135M, converted from the GGUF on first use)."""
-    pytest.importorskip("gguf")
-    from cadence.backbone import load_backbone
-    try:
-        bb = load_backbone("smollm2", "float32", "cpu")
-    except Exception as exc:  # noqa: BLE001 - the package may be missing on this machine
-        pytest.skip(f"default model unavailable: {exc}")
+    bb = default_backbone
     ids = bb.encode_prompt("What is the capital of France?", chat=True)
     cfg = GenerationConfig(max_new_tokens=24)
     ref = Engine(bb).generate(ids, cfg)
@@ -274,16 +270,12 @@ SHIPPED_PROMPTS = ["Explain what a hash table is.", "Write a Python function tha
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_shipped_heads_are_lossless_and_accept_drafts(kind):
+def test_shipped_heads_are_lossless_and_accept_drafts(kind, default_backbone):
     """The heads shipped for the default model: greedy output identical to vanilla (fp32),
     on prompts never trained on, with their calibrated tree and with a 16-node tree; and
     they do accept drafts (tau above 1.1 pooled over the prompts)."""
-    from cadence.backbone import load_backbone
     from cadence.methods import Method, MethodSpec, make_engine
-    try:
-        bb = load_backbone("smollm2", "float32", "cpu")
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"default model unavailable: {exc}")
+    bb = default_backbone
     cfg = GenerationConfig(max_new_tokens=48)
     new = steps = 0
     for tree in ("auto", "tree-16"):

@@ -16,23 +16,24 @@ from cadence.schedulers import StaticScheduler
 def test_over_long_prompt(llama):
     limit = llama.max_positions
     assert limit == 512
-    with pytest.raises(CadenceError, match="exceeds the model's 512 positions"):
-        Engine(llama).generate([65] * 500, GenerationConfig(max_new_tokens=10))
-    with pytest.raises(CadenceError, match="prompt of 300 tokens \\+ 200 new tokens"):
-        list(Engine(llama).stream([65] * 300, GenerationConfig(max_new_tokens=200)))
+    with pytest.raises(CadenceError, match="exceeds the model's 512 positions .at most 9 new tokens fit"):
+        Engine(llama).generate([65] * 503, GenerationConfig(max_new_tokens=10))
+    with pytest.raises(CadenceError, match="prompt of 300 tokens \\+ 213 new tokens"):
+        list(Engine(llama).stream([65] * 300, GenerationConfig(max_new_tokens=213)))
     # the same check for a speculative engine, before any forward
     heads = new_heads("medusa", llama, 3, random=True)
     with pytest.raises(CadenceError, match="exceeds"):
-        Engine(llama, HeadDrafter(heads)).generate([65] * 460, GenerationConfig(max_new_tokens=10))
-    # just inside the limit works
-    out = Engine(llama).generate([65] * 400, GenerationConfig(max_new_tokens=4))
-    assert len(out.tokens) == 4
+        Engine(llama, HeadDrafter(heads)).generate([65] * 503, GenerationConfig(max_new_tokens=10))
+    # exactly at the limit works, for plain and tree decoding (trees are cut to the positions left)
+    for eng in (Engine(llama), Engine(llama, HeadDrafter(heads), StaticScheduler.from_preset("tree-16", 3))):
+        out = eng.generate([65] * 502, GenerationConfig(max_new_tokens=10))
+        assert len(out.tokens) == 10
 
 
 def test_empty_prompt_and_bad_budget(llama):
     with pytest.raises(CadenceError, match="empty prompt"):
         Engine(llama).generate([], GenerationConfig())
-    with pytest.raises(CadenceError, match="at least 1"):
+    with pytest.raises(CadenceError, match="max_new_tokens must be an integer >= 1"):
         Engine(llama).generate([1, 2], GenerationConfig(max_new_tokens=0))
     for text in ("", "  \n"):
         with pytest.raises(CadenceError, match="empty prompt"):

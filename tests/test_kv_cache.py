@@ -4,10 +4,9 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 from tiny import OracleDrafter
 
-from cadence import kv_cache
+from cadence.kv_cache import HFCache
 from cadence.engine import Engine, GenerationConfig
 from cadence.schedulers import StaticScheduler
 from cadence.trees import compile_tree
@@ -15,17 +14,17 @@ from cadence.trees import compile_tree
 
 def filled_cache(bb, n: int):
     """A DynamicCache whose entry at position s holds the value s (keys) and -s (values)."""
-    cache = kv_cache.new_cache(bb)
+    cache = bb.new_cache()
     cfg = bb.config
     heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     pos = torch.arange(n, dtype=torch.float32)[None, None, :, None].expand(1, heads, n, dim)
     for layer in range(cfg.num_hidden_layers):
-        cache.update(pos + 1000 * layer, -pos - 1000 * layer, layer)
+        cache.hf.update(pos + 1000 * layer, -pos - 1000 * layer, layer)
     return cache
 
 
 def positions(cache, layer=0):
-    keys, values = cache.layers[layer].keys, cache.layers[layer].values
+    keys, values = cache.hf.layers[layer].keys, cache.hf.layers[layer].values
     k = keys[0, 0, :, 0] - 1000 * layer
     assert torch.equal(values[0, 0, :, 0], -keys[0, 0, :, 0])  # keys and values move together
     assert torch.equal(keys, keys[..., :1].expand_as(keys))  # whole rows move
@@ -42,28 +41,28 @@ def positions(cache, layer=0):
 ])
 def test_compact_by_hand(llama, past, size, keep, expected):
     cache = filled_cache(llama, past + size)
-    assert kv_cache.length(cache) == past + size
-    kv_cache.compact(cache, past, keep)
-    assert kv_cache.length(cache) == past + len(keep)
+    assert cache.length() == past + size
+    cache.compact(past, keep)
+    assert cache.length() == past + len(keep)
     for layer in range(llama.config.num_hidden_layers):
         assert positions(cache, layer) == expected
 
 
 def test_reset(llama):
     cache = filled_cache(llama, 6)
-    kv_cache.reset(cache)
-    assert kv_cache.length(cache) == 0
+    cache.reset()
+    assert cache.length() == 0
 
 
-def _capture_cache(monkeypatch):
+def _capture_cache(monkeypatch, bb):
     made = []
-    real = kv_cache.new_cache
+    real = bb.new_cache
 
-    def spy(bb):
-        made.append(real(bb))
+    def spy():
+        made.append(real())
         return made[-1]
 
-    monkeypatch.setattr(kv_cache, "new_cache", spy)
+    monkeypatch.setattr(bb, "new_cache", spy)
     return made
 
 
@@ -84,24 +83,25 @@ def test_engine_cache_holds_exactly_the_committed_tokens(llama, monkeypatch, tre
         sched = StaticScheduler(compile_tree([(0,), (1,), (2,), (1, 0), (1, 1), (2, 0), (1, 1, 0), (1, 1, 2)]))
     else:
         sched = StaticScheduler.from_preset(tree, 3)
-    made = _capture_cache(monkeypatch)
+    made = _capture_cache(monkeypatch, llama)
     eng = Engine(llama, drafter, sched)
     got: list[int] = []
     checked = 0
-    for chunk in eng.stream(ids, GenerationConfig(max_new_tokens=n)):
+    req = eng.stream(ids, GenerationConfig(max_new_tokens=n))
+    for chunk in req:
         got.extend(chunk)
         if len(got) == n:
             break  # the last chunk may be cut at the budget
         assert len(made) == 1
         cache = made[0]
-        assert kv_cache.length(cache) == len(ids) + len(got)
-        fresh = DynamicCache(config=llama.config)
+        assert cache.length() == len(ids) + len(got)
+        fresh = HFCache(llama.config)  # not through new_cache: the spy counts the engine's
         llama.forward(torch.tensor([ids + got]), fresh, need_logits=False)
-        for a, b in zip(cache.layers, fresh.layers):
+        for a, b in zip(cache.hf.layers, fresh.hf.layers):
             torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)
         checked += 1
     assert got == ref
-    st = eng.last_stats
+    st = req.stats
     assert checked >= 5 and 1.2 < st.tau < 4.0  # partial acceptance happened
     assert any(i.accepted >= 2 for i in st.step_log)

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from cadence.backbone import _additive_mask
+
 from cadence.errors import CadenceError
-from cadence.trees import (attention_mask, chain, compile_tree, expected_tau, grow_tree, preset, preset_names,
+from cadence.trees import (chain, compile_tree, expected_tau, grow_tree, preset, preset_names,
                            prior_acceptance)
 
 T, F = True, False
@@ -121,12 +123,12 @@ def test_presets():
 
 def test_attention_mask():
     t = compile_tree([(0,), (1,), (0, 0)])
-    m = attention_mask(t, past=2, dtype=torch.float32, device="cpu")
+    m = _additive_mask(t.mask, past=2, dtype=torch.float32, device="cpu")
     assert m.shape == (1, 1, 4, 6) and m.dtype == torch.float32
     neg = torch.finfo(torch.float32).min
     assert torch.all(m[0, 0, :, :2] == 0)  # the prefix is visible to every node
     expected = torch.where(t.mask, 0.0, neg)
     assert torch.equal(m[0, 0, :, 2:], expected)
-    m16 = attention_mask(t, past=0, dtype=torch.bfloat16, device="cpu")
+    m16 = _additive_mask(t.mask, past=0, dtype=torch.bfloat16, device="cpu")
     assert m16.shape == (1, 1, 4, 4) and m16.dtype == torch.bfloat16
     assert float(m16.min()) == float(torch.finfo(torch.bfloat16).min)

@@ -171,6 +171,8 @@ def test_typical_threshold():
 
 def test_rules_registry():
     assert RULES[Rule.AUTO] is speculative and RULES[Rule.GREEDY] is greedy
-    assert RULES[Rule.TYPICAL] is typical and not Rule.TYPICAL.lossless
-    assert Rule.GREEDY.lossless and Rule.SPECULATIVE.lossless and Rule.AUTO.lossless
+    t0, t1 = SamplingParams(), SamplingParams(temperature=0.7)
+    assert RULES[Rule.TYPICAL] is typical and not Rule.TYPICAL.lossless(t0) and not Rule.TYPICAL.lossless(t1)
+    assert Rule.GREEDY.lossless(t0) and not Rule.GREEDY.lossless(t1)
+    assert all(r.lossless(t) for r in (Rule.SPECULATIVE, Rule.AUTO) for t in (t0, t1))
     assert str(Rule.TYPICAL) == "typical" and Rule("speculative") is Rule.SPECULATIVE

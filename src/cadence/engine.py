@@ -1,35 +1,45 @@
-"""The decoding loop: prefill -> (draft -> verify -> commit)* as a token generator.
+"""The decoding loop: prefill -> (plan -> draft -> score -> verify -> commit)* per request.
 
-Knows: the order of a step, the KV cache bookkeeping, stopping, and statistics.
-Does not know: how drafts are made (a Drafter), which tree to use (a Scheduler),
-or how drafts are accepted (a verification rule). With no drafter it is plain
-autoregressive decoding through the very same backbone path ("vanilla").
+Knows: the order of a step, the KV cache bookkeeping, stopping (EOS, token budget,
+stop strings), and statistics. Does not know: how drafts are made (a Drafter), how
+much to speculate (a Scheduler), how a tree is scored (``scorer.score``) or how drafts
+are accepted (a verification rule). With no drafter it is plain autoregressive
+decoding through the very same backbone path ("vanilla").
+
+An ``Engine`` holds only what requests share (backbone, drafter, scheduler factory);
+everything that changes while a request decodes lives in its ``Request`` (cache,
+context, copy index, scheduler memory, RNG, statistics, text), so several requests can
+be in flight on one engine, interleaved step by step.
 
 One step, with ``past`` committed tokens in the cache and ``root`` the backbone's
 next token (not yet in the cache), ``h`` the hidden state that produced it:
   1. stop here if committing ``root`` finishes the request (EOS / max tokens);
-  2. tree = scheduler.choose(), cut to the depth the drafter can fill (copies reach
-     deeper than the heads, greedy only); the drafter fills it from (h, root);
+  2. plan = scheduler.choose(state); its tree is cut to what the drafter can fill
+     (copies reach deeper than the heads, greedy only), to the tokens still allowed and
+     to the model's positions; the drafter fills it from (h, root);
   3. one backbone forward over the N+1 nodes with the tree mask, positions past+depth;
   4. verdict = rule(tree, tokens, logits): accepted nodes (root first) and a bonus;
-  5. commit the accepted tokens, compact the cache to them, root <- bonus,
-     h <- hidden state of the last accepted node; scheduler.observe(step info).
+  5. commit the accepted tokens (cut at EOS, the budget or a stop string), compact the
+     cache to them, root <- bonus, h <- hidden state of the last accepted node;
+     scheduler.observe(step info).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from cadence import kv_cache
+from cadence.detok import Detokenizer
 from cadence.errors import CadenceError
-from cadence.sampling import SamplingParams, entropy, probs, sample
-from cadence.schedulers.base import Scheduler, StepInfo
+from cadence.sampling import SamplingParams, probs, sample
+from cadence.schedulers.base import Plan, Scheduler, SchedulerFactory, StepInfo, StepState
 from cadence.schedulers.static import StaticScheduler
-from cadence.trees import attention_mask, compile_tree, truncate
+from cadence.scorer import score
+from cadence.trees import compile_tree, truncate
 from cadence.verify import RULES, Rule, VerifyContext
 
 
@@ -37,13 +47,22 @@ from cadence.verify import RULES, Rule, VerifyContext
 class GenerationConfig:
     """Per-request decoding settings; CLI flags derive from these fields."""
 
-    max_new_tokens: int = 256  # hard cap on generated tokens
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus sampling mass (T > 0)
-    top_k: int = 0  # top-k sampling (T > 0), 0 = off
-    seed: int = 0  # RNG seed for sampling and acceptance tests
-    stop: tuple[str, ...] = ()  # stop strings: generation ends when the text contains one
-    rule: Rule = Rule.AUTO  # verification rule (AUTO = greedy at T=0, speculative sampling otherwise)
+    max_new_tokens: int = field(default=256, metadata={"help": "hard cap on generated tokens"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (T > 0), in (0, 1]"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling (T > 0), 0 = off"})
+    seed: int = field(default=0, metadata={"help": "RNG seed for sampling and acceptance tests"})
+    stop: tuple[str, ...] = field(default=(), metadata={
+        "help": "stop strings: generation ends when the text contains one (the text is cut before it)"})
+    rule: Rule = field(default=Rule.AUTO, metadata={
+        "help": "verification rule: auto = greedy at T=0, speculative sampling otherwise (both "
+                "lossless); greedy needs T=0; typical is lossy"})
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise CadenceError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        self.rule = Rule(self.rule)
+        self.rule.check(self.sampling)  # also validates temperature / top_p / top_k
 
     @property
     def sampling(self) -> SamplingParams:
@@ -54,13 +73,13 @@ class GenerationConfig:
 class Stats:
     """Statistics of one generation."""
 
-    new_tokens: int = 0  # tokens generated (EOS included)
+    new_tokens: int = 0  # tokens returned (EOS included; nothing past a stop string)
     steps: int = 0  # commits; each commits 1 + accepted drafts
     forwards: int = 0  # backbone forwards after prefill
     accepted_at_depth: list[int] = field(default_factory=list)  # steps whose accepted length >= d, d=1..
     prefill_s: float = 0.0  # prompt forward
     wall_s: float = 0.0  # whole request, prefill included
-    step_log: list[StepInfo] = field(default_factory=list)  # one record per step
+    step_log: list[StepInfo] = field(default_factory=list)  # one record per verified step
 
     @property
     def tau(self) -> float:
@@ -72,10 +91,15 @@ class Stats:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     def summary(self) -> dict:
+        planned = Counter(s.planned for s in self.step_log)
+        run = Counter(f"{s.tree} ({s.nodes} nodes)" for s in self.step_log)
+        nodes = sum(s.nodes for s in self.step_log) / len(self.step_log) if self.step_log else 1.0
         return {"new_tokens": self.new_tokens, "steps": self.steps, "forwards": self.forwards,
                 "tau": round(self.tau, 4), "accepted_at_depth": self.accepted_at_depth,
                 "prefill_s": round(self.prefill_s, 4), "wall_s": round(self.wall_s, 4),
-                "tokens_per_s": round(self.tokens_per_s, 3)}
+                "tokens_per_s": round(self.tokens_per_s, 3),
+                "tree": planned.most_common(1)[0][0] if planned else "root",
+                "mean_nodes": round(nodes, 3), "trees_run": dict(run.most_common())}
 
 
 @dataclass
@@ -89,126 +113,190 @@ ROOT_ONLY = compile_tree([], name="root")
 
 
 class Engine:
-    """Self-speculative decoding of one request at a time on a frozen backbone."""
+    """Self-speculative decoding on a frozen backbone; any number of requests in flight.
 
-    def __init__(self, backbone, drafter=None, scheduler: Scheduler | None = None):
+    scheduler: a ``SchedulerFactory`` (``factory(sampling) -> Scheduler``, called once
+    per request) or a stateless ``Scheduler`` shared by every request (e.g. a
+    ``StaticScheduler``). Default: the top-1 chain of the drafter's heads.
+    """
+
+    def __init__(self, backbone, drafter=None, scheduler: Scheduler | SchedulerFactory | None = None):
         self.backbone = backbone
         self.drafter = drafter
-        if scheduler is None:
-            scheduler = StaticScheduler(ROOT_ONLY) if drafter is None else \
-                StaticScheduler.from_preset("chain", drafter.num_heads)
-        self.scheduler = scheduler
-        self.last_stats = Stats()
+        if scheduler is None and drafter is not None:
+            scheduler = StaticScheduler.from_preset("chain", drafter.num_heads)
+        if scheduler is not None and hasattr(scheduler, "choose"):
+            shared = scheduler
+            scheduler = lambda sampling: shared  # noqa: E731 - a stateless scheduler serves all
+        self.new_scheduler: SchedulerFactory | None = scheduler
+        self.trace_entropy = False  # record the root entropy of every step (a softmax per step)
 
-    def _check_prompt(self, prompt_ids: list[int], cfg: GenerationConfig) -> None:
+    def start(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> "Request":
+        """A new request (validated, nothing computed yet); iterate it or call ``step``."""
+        return Request(self, list(prompt_ids), cfg or GenerationConfig())
+
+    def stream(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> "Request":
+        """The request as an iterator of newly committed token-id lists; afterwards it
+        holds ``tokens``, ``text`` and ``stats``."""
+        return self.start(prompt_ids, cfg)
+
+    def generate(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> Generation:
+        """Run a request to the end."""
+        req = self.start(prompt_ids, cfg)
+        for _ in req:
+            pass
+        return Generation(tokens=req.tokens, text=self.final_text(req.tokens, req.cfg.stop), stats=req.stats)
+
+    def final_text(self, tokens: list[int], stop: tuple[str, ...] = ()) -> str:
+        """The whole decoded text, cut before the first stop string."""
+        text = self.decode(tokens)
+        cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+        return text[:cut] if cut >= 0 else text
+
+    def decode(self, tokens: list[int]) -> str:
+        tok = self.backbone.tokenizer
+        return tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
+
+
+class Request:
+    """One request in flight: everything that changes while it decodes.
+
+    Iterating yields each step's committed token ids; ``tokens`` are all of them,
+    ``text`` the text so far (complete characters, cut at a stop string), ``take_text()``
+    the part of it not shown yet that can be shown safely (see ``cadence.detok``).
+    """
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], cfg: GenerationConfig):
+        bb = engine.backbone
         if not prompt_ids:
             raise CadenceError("empty prompt")
-        if cfg.max_new_tokens < 1:
-            raise CadenceError("max_new_tokens must be at least 1")
-        limit = self.backbone.max_positions
-        need = len(prompt_ids) + cfg.max_new_tokens + 64
-        if need > limit:
-            raise CadenceError(f"prompt of {len(prompt_ids)} tokens + {cfg.max_new_tokens} new tokens "
-                               f"exceeds the model's {limit} positions")
+        limit = bb.max_positions
+        if len(prompt_ids) + cfg.max_new_tokens > limit:
+            raise CadenceError(
+                f"prompt of {len(prompt_ids)} tokens + {cfg.max_new_tokens} new tokens exceeds the "
+                f"model's {limit} positions (at most {max(limit - len(prompt_ids), 0)} new tokens fit "
+                "after this prompt)")
+        if cfg.stop and bb.tokenizer is None:
+            raise CadenceError("stop strings need a tokenizer; this backbone has none")
+        self.engine, self.prompt_ids, self.cfg = engine, prompt_ids, cfg
+        self.sampling = cfg.sampling
+        self.rule = RULES[cfg.rule]
+        self.generator = torch.Generator(device=bb.device).manual_seed(cfg.seed)
+        drafter = engine.drafter
+        self.scheduler = engine.new_scheduler(self.sampling) if drafter is not None else None
+        self.copies = drafter.new_index() if drafter is not None and self.sampling.greedy else None
+        self.detok = Detokenizer(bb.tokenizer, cfg.stop)
+        self.stats = Stats()
+        self.tokens: list[int] = []
+        self.done = False
+        self.cache = None  # created at the first step (prefill)
+        self._t0 = 0.0
 
-    def _pick(self, logits: torch.Tensor, cfg: GenerationConfig, gen) -> int:
-        if cfg.sampling.greedy:
-            return int(logits.argmax())
-        return sample(probs(logits, cfg.sampling), gen)
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def take_text(self) -> str:
+        """New text safe to show now (everything that is left once the request is done)."""
+        return self.detok.finish() if self.done else self.detok.take()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while not self.done:
+            chunk = self.step()
+            if chunk:
+                yield chunk
 
     @torch.inference_mode()
-    def stream(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> Iterator[list[int]]:
-        """Yield lists of newly committed token ids; ``self.last_stats`` holds the statistics."""
-        cfg = cfg or GenerationConfig()
-        self._check_prompt(prompt_ids, cfg)
-        bb, stats = self.backbone, Stats()
-        self.last_stats = stats
-        gen = torch.Generator(device=bb.device).manual_seed(cfg.seed)
-        rule = RULES[cfg.rule]
-        eos = bb.eos_token_ids
-        t0 = time.perf_counter()
-        cache = kv_cache.new_cache(bb)
-        ids = torch.tensor([prompt_ids], device=bb.device)
-        out = bb.forward(ids, cache, need_logits=False)
-        hidden = out.hidden[0, -1]
-        root = self._pick(bb.logits(hidden), cfg, gen)
-        past = len(prompt_ids)
-        stats.prefill_s = time.perf_counter() - t0
-        context = list(prompt_ids)
-        self.scheduler.reset()
-        while True:
-            if root in eos or stats.new_tokens + 1 >= cfg.max_new_tokens:
-                stats.new_tokens += 1
-                stats.steps += 1
-                stats.wall_s = time.perf_counter() - t0
-                yield [root]
-                return
-            t_step = time.perf_counter()
-            tree = self.scheduler.choose() if self.drafter is not None else ROOT_ONLY
-            if tree.size > 1:
-                tree = truncate(tree, self.drafter.max_depth(cfg.sampling))
-                draft = self.drafter.draft(tree, root, hidden, context, cfg.sampling, gen)
-                tokens, q, tree = draft.tokens, draft.q, draft.tree or tree
-            else:
-                tokens, q = torch.tensor([root], device=bb.device), None
-            if tree.is_chain:  # causal attention and contiguous positions suffice
-                mask = positions = None
-            else:
-                mask = attention_mask(tree, past, bb.dtype, bb.device)
-                positions = (torch.tensor(tree.depths, device=bb.device) + past)[None]
-            out = bb.forward(tokens[None], cache, positions, mask)
-            stats.forwards += 1
-            logits = out.logits[0]
-            verdict = rule(tree, tokens, logits, VerifyContext(cfg.sampling, q, gen))
-            kv_cache.compact(cache, past, verdict.path)
-            committed = tokens[verdict.path].tolist()
-            done = False
-            for i, t in enumerate(committed):  # cut at EOS / the token budget
-                if t in eos or stats.new_tokens + i + 1 >= cfg.max_new_tokens:
-                    committed, done = committed[:i + 1], True
-                    break
-            past += len(verdict.path)
-            hidden = out.hidden[0, verdict.path[-1]]
-            root = verdict.bonus
-            context.extend(committed)
-            self._record(stats, tree, len(verdict.path) - 1, float(entropy(logits[0])),
-                         time.perf_counter() - t_step, len(committed))
-            stats.wall_s = time.perf_counter() - t0
-            yield committed
-            if done:
-                return
+    def step(self) -> list[int]:
+        """One engine step (the first also prefills); the token ids it committed."""
+        if self.done:
+            return []
+        if self.cache is None:
+            self._prefill()
+        t_step = time.perf_counter()
+        remaining = self.cfg.max_new_tokens - len(self.tokens)
+        if self.root in self.engine.backbone.eos_token_ids or remaining == 1:
+            self.stats.steps += 1
+            return self._commit([self.root], force_done=True)
+        state = StepState(hidden=self.hidden, root_logits=self.root_logits, step=self.stats.steps,
+                          new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
+        plan = self._plan(state, remaining)
+        tree, tokens, q = self._draft(plan.tree)
+        out = score(self.engine.backbone, self.cache, self.past, tree, tokens)
+        self.stats.forwards += 1
+        logits = out.logits[0]
+        verdict = self.rule(tree, tokens, logits, VerifyContext(self.sampling, q, self.generator))
+        self.cache.compact(self.past, verdict.path)
+        self.past += len(verdict.path)
+        self.hidden, self.root_logits = out.hidden[0, verdict.path[-1]], logits[verdict.path[-1]]
+        self.root = verdict.bonus
+        committed = self._commit(tokens[verdict.path].tolist())
+        self._record(state, plan, tree, len(verdict.path) - 1, time.perf_counter() - t_step)
+        return committed
 
-    def _record(self, stats: Stats, tree, accepted: int, ent: float, seconds: float, n: int) -> None:
-        stats.new_tokens += n
+    def _prefill(self) -> None:
+        bb = self.engine.backbone
+        self._t0 = time.perf_counter()
+        self.cache = bb.new_cache()
+        out = bb.forward(torch.tensor([self.prompt_ids], device=bb.device), self.cache, need_logits=False)
+        self.hidden = out.hidden[0, -1]
+        self.root_logits = bb.logits(self.hidden)
+        self.root = self._pick(self.root_logits)
+        self.past = len(self.prompt_ids)
+        self.context = list(self.prompt_ids)
+        self.stats.prefill_s = time.perf_counter() - self._t0
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return sample(probs(logits, self.sampling), self.generator)
+
+    def _plan(self, state: StepState, remaining: int) -> Plan:
+        """The scheduler's plan, its tree cut to what can be drafted and committed here."""
+        if self.scheduler is None:
+            return Plan(ROOT_ONLY)
+        plan = self.scheduler.choose(state)
+        if not plan.verify:
+            raise CadenceError("this engine verifies every step; unverified plans are not supported")
+        depth = min(self.engine.drafter.max_depth(self.sampling), remaining - 1)
+        return Plan(truncate(plan.tree, depth), plan.verify) if plan.tree.max_depth > depth else plan
+
+    def _draft(self, tree):
+        """(tree that runs, its (N+1,) tokens, q or None): the drafter fills the tree;
+        nodes it could not fill are gone from the returned tree."""
+        bb = self.engine.backbone
+        if tree.size == 1:
+            return tree, torch.tensor([self.root], device=bb.device), None
+        draft = self.engine.drafter.draft(tree, self.root, self.hidden, self.context, self.sampling,
+                                          self.generator, self.copies)
+        return draft.tree or tree, draft.tokens, draft.q
+
+    def _commit(self, committed: list[int], force_done: bool = False) -> list[int]:
+        """Append ``committed`` up to the first EOS, the token budget or a stop string."""
+        eos = self.engine.backbone.eos_token_ids
+        done = force_done
+        for i, t in enumerate(committed):
+            self.tokens.append(t)
+            stop_hit = self.detok.push(t)
+            if t in eos or len(self.tokens) >= self.cfg.max_new_tokens or stop_hit:
+                committed, done = committed[:i + 1], True
+                break
+        self.context.extend(committed)
+        self.stats.new_tokens = len(self.tokens)
+        self.stats.wall_s = time.perf_counter() - self._t0
+        self.done = done
+        return committed
+
+    def _record(self, state: StepState, plan: Plan, tree, accepted: int, seconds: float) -> None:
+        stats = self.stats
         stats.steps += 1
         while len(stats.accepted_at_depth) < accepted:
             stats.accepted_at_depth.append(0)
         for d in range(accepted):
             stats.accepted_at_depth[d] += 1
-        info = StepInfo(tree=tree.name, nodes=tree.size, accepted=accepted, entropy=ent,
-                        seconds=seconds, depth=tree.max_depth)
+        info = StepInfo(tree=tree.name, nodes=tree.size, accepted=accepted, seconds=seconds,
+                        depth=tree.max_depth, planned=plan.tree.name,
+                        entropy=state.entropy if self.engine.trace_entropy or "entropy" in vars(state) else None)
         stats.step_log.append(info)
-        self.scheduler.observe(info)
-
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> Generation:
-        """Run ``stream`` to the end; decode the text and cut it at a stop string."""
-        cfg = cfg or GenerationConfig()
-        tokens: list[int] = []
-        for chunk in self.stream(prompt_ids, cfg):
-            tokens.extend(chunk)
-            if cfg.stop and self._hit_stop(tokens, cfg.stop):
-                break
-        stats = self.last_stats
-        text = self.decode(tokens)
-        for s in cfg.stop:
-            if s in text:
-                text = text[:text.index(s)]
-        return Generation(tokens=tokens, text=text, stats=stats)
-
-    def _hit_stop(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
-        text = self.decode(tokens)
-        return any(s in text for s in stop)
-
-    def decode(self, tokens: list[int]) -> str:
-        tok = self.backbone.tokenizer
-        return tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
+        if self.scheduler is not None:
+            self.scheduler.observe(info)

@@ -8,7 +8,7 @@ drafter + scheduler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -17,9 +17,10 @@ from cadence.drafter import HeadDrafter
 from cadence.engine import Engine
 from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads
+from cadence.latency import LatencyCurve, load_or_measure
 from cadence.sampling import SamplingParams
 from cadence.schedulers import StaticScheduler
-from cadence.trees import CompiledTree, compile_tree, grow_tree, preset
+from cadence.tree_policy import TreePolicy, draft_seconds
 
 SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads"
 SHIPPED_FOR = {"SmolLM2-135M-Instruct": "smollm2"}  # backbone name -> folder under assets/heads
@@ -39,13 +40,13 @@ class Method(str, Enum):
 class MethodSpec:
     """How to decode; CLI flags derive from these fields."""
 
-    method: Method = Method.HYDRA  # vanilla | medusa | hydra | mtp
-    heads: str = "default"  # default (shipped for the model) | random | path to a heads directory
-    tree: str = "auto"  # tree preset (root, chain, chain-D, tree-N), auto (the heads' calibrated tree) or auto-N (N nodes grown from the heads' calibrated acceptance)
-    num_heads: int = 3  # K for --heads random
-    copy: bool = True  # greedy only: rank the context copy (token after the same n-gram earlier) first
-    copy_depth: int = 8  # deepest tree level a context copy may fill (presets; calibrated trees say their own)
-    heads_seed: int = 0  # seed for --heads random
+    method: Method = field(default=Method.HYDRA, metadata={"help": "vanilla | medusa | hydra | mtp"})
+    heads: str = field(default="default", metadata={"help": "default (shipped for the model) | random | path to a heads directory"})
+    tree: str = field(default="auto", metadata={"help": "auto (the tree of highest expected tokens/s from the heads' calibrated acceptance and this machine's measured verify latency; may be the root alone), auto-N (N nodes grown from the calibrated acceptance), or a preset: root, chain, chain-D, tree-N"})
+    num_heads: int = field(default=3, metadata={"help": "K for --heads random"})
+    copy: bool = field(default=True, metadata={"help": "greedy only: rank the context copy (token after the same n-gram earlier) first"})
+    copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
+    heads_seed: int = field(default=0, metadata={"help": "seed for --heads random"})
 
 
 def shipped_heads_dir(backbone, kind: str) -> Path | None:
@@ -72,40 +73,26 @@ def resolve_heads(backbone, spec: MethodSpec):
     return heads
 
 
-def recommended_tree(heads, copy: bool = False) -> CompiledTree:
-    """The tree calibrated for these heads (``copy_tree`` or ``tree`` in config.json, by
-    ``copy``), else the top-1 chain of the K heads."""
-    paths = heads.cfg.copy_tree if copy else heads.cfg.tree
-    if paths is not None:  # [] is a calibrated answer too: do not speculate
-        return compile_tree([tuple(p) for p in paths], name="calibrated+copy" if copy else "calibrated")
-    return compile_tree(preset("chain", heads.K), name="chain")
-
-
-def grown_tree(heads, copy: bool, name: str) -> CompiledTree:
-    """``auto-N``: the N-node tree grown from the acceptance table ``cadence calibrate``
-    measured for these heads (with or without context copy)."""
-    size = name[len("auto-"):]
-    if not size.isdigit() or int(size) < 1:
-        raise CadenceError(f"bad tree {name!r}: auto-N needs a node count N >= 1, e.g. auto-8")
-    table = heads.cfg.copy_acceptance if copy else heads.cfg.acceptance
-    if table is None:
-        raise CadenceError(f"--tree {name} needs the acceptance table of `cadence calibrate` "
-                           f"({'copy_acceptance' if copy else 'acceptance'} in the heads' config.json)")
-    return compile_tree(grow_tree(table, int(size)), name=name)
-
-
-def make_engine(backbone, spec: MethodSpec) -> Engine:
-    """Backbone + heads + drafter + static scheduler for ``spec`` (vanilla: no drafter)."""
+def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None) -> Engine:
+    """Backbone + heads + drafter + a static scheduler whose tree is resolved per request
+    (``tree_policy.TreePolicy``); vanilla: no drafter. ``latency``: this machine's verify
+    curve for ``--tree auto`` (default: measured once per machine and cached)."""
     if spec.method is Method.VANILLA:
         return Engine(backbone)
     heads = resolve_heads(backbone, spec)
-    copy = CopyConfig() if spec.copy else None
-    tree = None
-    if spec.tree == "auto":
-        tree = recommended_tree(heads, spec.copy)
-    elif spec.tree.startswith("auto-"):
-        tree = grown_tree(heads, spec.copy, spec.tree)
-    drafter = HeadDrafter(heads, copy, max(spec.copy_depth, tree.max_depth if tree is not None else 0))
-    if tree is None:
-        tree = compile_tree(preset(spec.tree, drafter.max_depth(SamplingParams())), name=spec.tree)
-    return Engine(backbone, drafter, StaticScheduler(tree))
+    drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec))
+    policy = TreePolicy(spec.tree, heads, drafter)
+    if spec.tree == "auto" and (heads.cfg.acceptance is not None or heads.cfg.copy_acceptance is not None):
+        policy.latency = latency or load_or_measure(backbone, verbose=True)
+        policy.draft_s = draft_seconds(drafter, backbone.hidden_size, backbone.device, backbone.dtype)
+    policy.tree_for(SamplingParams())  # resolve now: a bad --tree fails before any request
+    engine = Engine(backbone, drafter, lambda sampling: StaticScheduler(policy.tree_for(sampling)))
+    engine.tree_policy = policy
+    return engine
+
+
+def _copy_depth(heads, spec: MethodSpec) -> int:
+    """Deepest level copies may fill: --copy-depth, or deeper if the table for auto-N /
+    the tree calibrated with copies reaches further."""
+    table = heads.cfg.copy_acceptance if spec.copy and spec.tree.startswith("auto") else None
+    return max(spec.copy_depth, len(table) if table else 0)

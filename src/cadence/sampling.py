@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.errors import CadenceError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,6 +20,14 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept (1 = off)
     top_k: int = 0  # keep the k most likely tokens (0 = off)
+
+    def __post_init__(self):
+        if not self.temperature >= 0:  # also catches NaN
+            raise CadenceError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise CadenceError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise CadenceError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
@@ -45,9 +55,26 @@ def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def uniform(generator: torch.Generator | None) -> float:
+    """One draw from U[0, 1), made on the generator's own device (a CUDA generator
+    cannot fill a CPU tensor, which is where ``torch.rand`` puts it by default)."""
+    device = generator.device if generator is not None else "cpu"
+    return float(torch.rand((), generator=generator, device=device))
+
+
+def categorical(dist: torch.Tensor, n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``n`` independent draws (with replacement) from each row of ``dist`` (..., V),
+    made on the generator's device; returned on ``dist``'s device. Every random draw of
+    decoding goes through ``uniform`` or ``categorical``."""
+    if generator is not None and generator.device != dist.device:
+        return torch.multinomial(dist.to(generator.device), n, replacement=True,
+                                 generator=generator).to(dist.device)
+    return torch.multinomial(dist, n, replacement=True, generator=generator)
+
+
 def sample(dist: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from a (V,) distribution."""
-    return int(torch.multinomial(dist, 1, generator=generator).item())
+    return int(categorical(dist, 1, generator)[0])
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -209,14 +209,3 @@ def truncate(tree: CompiledTree, depth: int) -> CompiledTree:
     if tree.max_depth <= depth:
         return tree
     return compile_tree([p for p in tree.paths if len(p) <= depth], name=f"{tree.name}@{depth}")
-
-
-def attention_mask(tree: CompiledTree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """4-D additive mask (1, 1, N+1, past + N+1): the prefix is visible to all nodes,
-    nodes see their ancestors and themselves; 0 where allowed, dtype-min elsewhere."""
-    n = tree.size
-    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device)
-    allowed[:, past:] = tree.mask.to(device)
-    out = torch.zeros(n, past + n, dtype=dtype, device=device)
-    out.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return out[None, None]

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from cadence.sampling import SamplingParams, entropy, probs, sample
+from cadence.errors import CadenceError
+from cadence.sampling import SamplingParams, entropy, probs, sample, uniform
 from cadence.trees import CompiledTree
 
 
@@ -77,7 +78,7 @@ def speculative(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, 
                 tokens[c], r.shape[-1]).float()
             x = toks[c]
             ratio = float(r[x]) / max(float(q[x]), 1e-20)
-            u = float(torch.rand((), generator=ctx.generator))
+            u = uniform(ctx.generator)
             if u < min(1.0, ratio):
                 accepted = c
                 break
@@ -116,19 +117,28 @@ def typical(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx:
 
 
 class Rule(str, Enum):
-    """Verification rules selectable by name (CLI ``--verify``)."""
+    """Verification rules selectable by name (CLI ``--rule``)."""
 
     AUTO = "auto"  # greedy at T=0, speculative sampling otherwise (both lossless)
-    GREEDY = "greedy"
+    GREEDY = "greedy"  # T = 0 only
     SPECULATIVE = "speculative"
-    TYPICAL = "typical"
+    TYPICAL = "typical"  # lossy
 
     def __str__(self) -> str:
         return self.value
 
-    @property
-    def lossless(self) -> bool:
-        return self is not Rule.TYPICAL
+    def lossless(self, sampling: SamplingParams) -> bool:
+        """Whether this rule reproduces plain decoding under ``sampling`` (byte-identical
+        at T = 0, distribution-identical at T > 0)."""
+        if self is Rule.TYPICAL:
+            return False
+        return sampling.greedy or self is not Rule.GREEDY
+
+    def check(self, sampling: SamplingParams) -> None:
+        """Refuse combinations that would silently decode something else."""
+        if self is Rule.GREEDY and not sampling.greedy:
+            raise CadenceError(f"--rule greedy needs --temperature 0 (got {sampling.temperature}); "
+                               "use --rule auto or speculative to sample losslessly")
 
 
 RuleFn = Callable[[CompiledTree, torch.Tensor, torch.Tensor, VerifyContext], Verdict]

@@ -187,7 +187,11 @@ def _safe(name: str) -> str:
 
 def draw_plots(out: Path, summary: dict, records: list[dict], labels: list[str], tasks: list[str]) -> list[str]:
     """speedup.png, tau_hist.png and timeline-<task>.png; returns the file names written."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise CadenceError("the bench plots need the package matplotlib (pip install 'cadence[bench]', "
+                           "or pass --no-plots)") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

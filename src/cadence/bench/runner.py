@@ -208,7 +208,7 @@ def step_log_dict(stats) -> dict | None:
     if not log:
         return None
     return {"tree": [s.tree for s in log], "nodes": [s.nodes for s in log],
-            "accepted": [s.accepted for s in log], "entropy": [round(s.entropy, 4) for s in log],
+            "accepted": [s.accepted for s in log], "entropy": [None if s.entropy is None else round(s.entropy, 4) for s in log],
             "seconds": [round(s.seconds, 6) for s in log], "depth": [s.depth for s in log]}
 
 
@@ -267,6 +267,7 @@ def build_engines(entries: list[MethodEntry], backbone, cfg: BenchConfig) -> tup
     for e in entries:
         if e.kind == "engine":
             engines[e.label] = make_engine(backbone, e.spec)
+            engines[e.label].trace_entropy = True  # per-step entropy goes into the records
             continue
         try:
             engines[e.label] = make_peer(e.label, backbone, cfg.model)

@@ -1,31 +1,70 @@
-"""The scheduler interface and the per-step record it learns from."""
+"""The scheduler interface: what a scheduler sees before a step, what it returns, and
+the record of the step it learns from.
+
+A ``Scheduler`` decides one request's steps; it may keep memory (an entropy average,
+acceptance estimates), so the engine makes a new one for every request through the
+method's ``SchedulerFactory`` (``factory(sampling) -> Scheduler``). The factory also
+resolves anything that depends on the request's sampling settings, such as which
+tree is valid (context copies only exist at T = 0).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Protocol
 
+import torch
+
+from cadence.sampling import SamplingParams, entropy
 from cadence.trees import CompiledTree
+
+
+@dataclass
+class StepState:
+    """What a scheduler sees before drafting a step."""
+
+    hidden: torch.Tensor  # (d,) backbone hidden state that produced the root token
+    root_logits: torch.Tensor  # (V,) backbone logits the root token was chosen from
+    step: int  # steps taken so far in this request (0 for the first)
+    new_tokens: int  # tokens committed so far (prompt excluded)
+    past: int  # tokens in the KV cache (prompt + committed, the root excluded)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # the request's sampling
+
+    @cached_property
+    def entropy(self) -> float:
+        """Entropy (nats) of the backbone's distribution at the root, computed on demand
+        (a full-vocabulary softmax: schedulers that do not ask do not pay for it)."""
+        return float(entropy(self.root_logits))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do in one step."""
+
+    tree: CompiledTree  # the tree to draft and verify (size 1 = the root alone, no drafts)
+    verify: bool = True  # False: commit the drafted chain without a verify pass (lossy, opt-in schedulers only)
 
 
 @dataclass
 class StepInfo:
     """What one engine step did; the engine passes it to ``Scheduler.observe``."""
 
-    tree: str  # name of the tree used
-    nodes: int  # tree size including the root (width of the verify forward)
+    tree: str  # name of the tree that ran (after the drafter dropped unfilled nodes)
+    nodes: int  # nodes actually verified, root included (width of the verify forward)
     accepted: int  # drafts accepted (committed tokens = accepted + 1)
-    entropy: float  # nats, backbone entropy at the root node (its prediction of the first draft slot)
     seconds: float  # wall time of the step (draft + verify + commit)
-    depth: int  # deepest node in the tree
+    depth: int  # deepest node of the tree that ran
+    planned: str = ""  # name of the tree the scheduler planned (differs when nodes were dropped)
+    entropy: float | None = None  # nats at the root, when the scheduler asked for it or the engine traces it
 
 
 class Scheduler(Protocol):
-    def reset(self) -> None:
-        """Start of a new request."""
-
-    def choose(self) -> CompiledTree:
-        """The tree for the next step."""
+    def choose(self, state: StepState) -> Plan:
+        """The plan for the next step."""
 
     def observe(self, info: StepInfo) -> None:
         """Outcome of the step just taken."""
+
+
+SchedulerFactory = Callable[[SamplingParams], Scheduler]

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from cadence.schedulers.base import StepInfo
+from cadence.schedulers.base import Plan, StepInfo, StepState
 from cadence.trees import CompiledTree, compile_tree, preset
 
 
 class StaticScheduler:
     def __init__(self, tree: CompiledTree):
-        self.tree = tree
+        self.plan = Plan(tree)
 
     @classmethod
-    def from_preset(cls, name: str, num_heads: int) -> "StaticScheduler":
-        return cls(compile_tree(preset(name, num_heads), name=name))
+    def from_preset(cls, name: str, max_depth: int) -> "StaticScheduler":
+        return cls(compile_tree(preset(name, max_depth), name=name))
 
-    def reset(self) -> None:
-        pass
-
-    def choose(self) -> CompiledTree:
-        return self.tree
+    def choose(self, state: StepState) -> Plan:
+        return self.plan
 
     def observe(self, info: StepInfo) -> None:
         pass

@@ -17,7 +17,9 @@ def register(sub) -> None:
     from cadence.training.trainer import TrainConfig
 
     p = sub.add_parser("distill", help="self-distillation data: the backbone answers training prompts",
-                       description="Generate (or resume generating) self-distilled shards for head training.")
+                       description="Append self-distilled shards to a store (default "
+                                   "data/selfdistill/smollm2): prompts the store already holds are "
+                                   "skipped, so the same command resumes and later runs add to it.")
     add_fields(p, DistillConfig)
     p.set_defaults(func=run_distill_command)
 
@@ -43,8 +45,10 @@ def run_distill_command(args) -> int:
     manifest = run_distill(cfg)
     n_seq = sum(s["sequences"] for s in manifest["shards"])
     n_reply = sum(s["reply_tokens"] for s in manifest["shards"])
-    print(f"{cfg.out}: {manifest['prompts_done']} prompts, {len(manifest['shards'])} shards, "
-          f"{n_seq} sequences, {n_reply} reply tokens", file=sys.stderr)
+    mix = ", ".join(f"{k} {v['prompts']}" for k, v in sorted(manifest.get("mix", {}).items()))
+    print(f"{cfg.out}: {manifest['prompts_done']} prompts ({manifest['skipped']} skipped as too long), "
+          f"{len(manifest['shards'])} shards, {n_seq} sequences, {n_reply} reply tokens"
+          + (f"; mix: {mix}" if mix else ""), file=sys.stderr)
     return 0
 
 

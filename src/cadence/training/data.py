@@ -1,94 +1,87 @@
-"""Self-distillation data: the backbone answers prompts; its token ids are written in shards.
+"""Self-distillation data: the backbone answers prompts; its token ids are stored in shards.
 
-Knows: prompt sources (via ``cadence.prompts``), batched left-padded generation,
-the shard format, the manifest, resuming, and the train/val split of sequences.
+Knows: batched left-padded generation, the run loop of ``cadence distill`` (resumable,
+deduplicated by prompt, flushing a shard every few minutes), the train/val split of
+sequences, and reading both shard formats. Prompt sources live in
+``cadence.training.sources``, the store format in ``cadence.training.store``.
 Does not know: heads or losses.
 
-Layout of an output directory::
+Two kinds of data directory are read (``read_shard`` / ``load_manifest``; the trainer,
+the hidden cache, ``cadence calibrate`` and ``merge-data`` all go through them):
 
-    manifest.json                 config + list of finished shards (written atomically)
-    shard-00000.safetensors       tokens (int32, flat), offsets (int64, n+1),
-                                  prompt_lens (int32, n); metadata "keys" (JSON list)
-                                  optional topk_ids (int32, R x k) / topk_logits (f16, R x k)
-                                  for the R response positions, for KL training
+* a **store** (``cadence distill`` writes only these; ``store.FORMAT``): ``shard-NNNNN.npz``
+  files of uint16 token ids, appended run after run and meant to be committed
+  (``data/selfdistill/smollm2``); see ``cadence.training.store``.
+* an older directory of ``shard-NNNNN.safetensors`` (int32 tokens, int64 offsets, int32
+  prompt_lens; metadata "keys"; optional top-k arrays), e.g. made by earlier versions.
 
-Sequence i is ``tokens[offsets[i]:offsets[i+1]]``; its first ``prompt_lens[i]`` tokens
-are the (chat-templated) prompt, the rest the backbone's reply. Sequences whose key
-falls in the validation bucket go to shards marked ``"split": "val"``; the trainer
-never trains on them.
+Either way a loaded shard is ``{"tokens", "offsets", "prompt_lens"[, "topk_ids",
+"topk_logits"]}``: sequence i is ``tokens[offsets[i]:offsets[i+1]]``, its first
+``prompt_lens[i]`` tokens the (chat-templated) prompt, the rest the backbone's reply.
+Sequences whose key falls in the validation bucket (``is_val``) go to shards marked
+``"split": "val"``; the trainer never trains on them.
 """
 
 from __future__ import annotations
 
 import json
-import random
+import math
+import signal
+import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
-from cadence.prompts import PromptItem, gsm8k_items, held_out, jsonl_items, sharegpt_items
+from cadence.prompts import PromptItem, held_out, prompt_hash
 
 VAL_PERCENT = 3  # share of distilled sequences kept for the trainer's held-out evaluation
 MANIFEST = "manifest.json"
+DEFAULT_STORE = "data/selfdistill/smollm2"
 
 
 @dataclass
 class DistillConfig:
     """Settings of one self-distillation run; CLI flags derive from these fields."""
 
-    out: str = "data/distill"  # output directory (created; resumed if it holds a manifest)
-    sources: list[str] = field(default_factory=lambda: ["sharegpt", "gsm8k"])  # sharegpt | gsm8k | path.jsonl
-    mode: str = "generate"  # generate: backbone writes replies; reference: use the source's own replies (no generation)
-    max_prompts: int = 2000  # stop after this many prompts in total (raise it to extend a run)
-    max_prompt_tokens: int = 256  # prompts longer than this are skipped
-    max_new_tokens: int = 192  # reply length cap
-    batch_size: int = 16  # prompts per generate call (left padding)
-    shard_prompts: int = 64  # prompts per shard (the unit of resuming)
-    temperature: float = 0.0  # 0 = greedy replies (what T=0 decoding will see)
-    topk_logits: int = 0  # store the backbone's top-k logits per reply position (for KL); 0 = off
-    seed: int = 0  # prompt order shuffle
-    model: str = "smollm2"  # backbone
-    dtype: str = "auto"  # backbone dtype
-    device: str = "auto"  # backbone device
-
-
-def iter_items(sources: Iterable[str]) -> Iterator[PromptItem]:
-    """Training prompts from each named source (held-out ShareGPT is never included)."""
-    for src in sources:
-        if src == "sharegpt":
-            yield from sharegpt_items("train")
-        elif src == "gsm8k":
-            yield from gsm8k_items("train")
-        elif src.endswith(".jsonl"):
-            yield from jsonl_items(src)
-        else:
-            raise CadenceError(f"unknown prompt source {src!r}: use sharegpt, gsm8k or a .jsonl file")
-
-
-def ordered_items(cfg: DistillConfig) -> list[PromptItem]:
-    """All training prompts, shuffled by ``cfg.seed`` (sources interleaved), deterministic."""
-    items = list(iter_items(cfg.sources))
-    random.Random(cfg.seed).shuffle(items)
-    return items
+    out: str = field(default=DEFAULT_STORE, metadata={
+        "help": "store directory (created; an existing store is appended to)"})
+    sources: list[str] = field(default_factory=lambda: ["sharegpt", "gsm8k", "code", "writing"], metadata={
+        "help": "sharegpt | gsm8k | code | writing | path.jsonl (see cadence.training.sources)"})
+    mode: str = field(default="generate", metadata={
+        "help": "generate: backbone writes replies; reference: use the source's own replies (no generation)"})
+    max_prompts: int = field(default=0, metadata={
+        "help": "stop once the store holds this many prompts "
+                "(answered + skipped); 0 = all prompts of the sources"})
+    max_prompt_tokens: int = field(default=256, metadata={
+        "help": "prompts longer than this are skipped (and remembered as skipped)"})
+    max_new_tokens: int = field(default=256, metadata={"help": "reply length cap"})
+    batch_size: int = field(default=64, metadata={"help": "prompts per generate call (left padding)"})
+    shard_prompts: int = field(default=256, metadata={"help": "most sequences per shard"})
+    flush_seconds: float = field(default=240.0, metadata={
+        "help": "write a shard at least this often (seconds), so an interruption loses little"})
+    temperature: float = field(default=0.0, metadata={
+        "help": "0 = greedy replies (what T=0 decoding will see)"})
+    topk_logits: int = field(default=0, metadata={
+        "help": "store the backbone's top-k logits per reply position (for KL); 0 = off"})
+    seed: int = field(default=0, metadata={"help": "prompt order shuffle (per source)"})
+    threads: int = field(default=0, metadata={
+        "help": "torch CPU threads; 0 = torch's default (1 is far more robust on a shared, busy 2-core machine)"})
+    model: str = field(default="smollm2", metadata={"help": "backbone"})
+    dtype: str = field(default="auto", metadata={
+        "help": "backbone dtype (bfloat16 is several times faster on CPUs with AVX-512 BF16 / AMX)"})
+    device: str = field(default="auto", metadata={"help": "backbone device"})
 
 
 def is_val(key: str) -> bool:
     """Validation bucket of distilled sequences (independent of the benchmark's split)."""
     return held_out("val:" + key, VAL_PERCENT)
-
-
-def _config_fingerprint(cfg: DistillConfig) -> dict:
-    d = asdict(cfg)
-    for k in ("out", "max_prompts", "device", "batch_size"):  # may change between resumes
-        d.pop(k)
-    return d
 
 
 def load_manifest(out: Path) -> dict | None:
@@ -103,7 +96,9 @@ def load_manifest(out: Path) -> dict | None:
 
 def write_shard(path: Path, seqs: list[list[int]], prompt_lens: list[int], keys: list[str],
                 topk: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
-    """Write one shard atomically; return its token count."""
+    """Write one shard of the older safetensors format atomically (tests and tools that
+    make synthetic data use it); return its token count. ``cadence distill`` writes store
+    shards (``cadence.training.store``)."""
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
@@ -120,8 +115,13 @@ def write_shard(path: Path, seqs: list[list[int]], prompt_lens: list[int], keys:
 
 
 def read_shard(path: str | Path) -> dict:
-    """Load a shard; raise CadenceError if it is missing or unreadable."""
+    """Load a shard of either format (``.npz`` store shard or ``.safetensors``) as torch
+    tensors; raise CadenceError if it is missing or unreadable."""
     path = Path(path)
+    if path.suffix == ".npz" or (path.is_symlink() and path.resolve().suffix == ".npz"):
+        from cadence.training.store import read_store_shard
+
+        return read_store_shard(path)
     if not path.is_file():
         raise CadenceError(f"shard {path} is missing")
     try:
@@ -182,80 +182,189 @@ def reference_batch(backbone, items: list[PromptItem]) -> list[list[int]]:
     return out
 
 
-class _Writer:
-    """Buffers sequences per split and writes shards; keeps the manifest in step."""
-
-    def __init__(self, out: Path, manifest: dict):
-        self.out, self.manifest = out, manifest
-
-    def flush(self, buf: dict, prompts_done: int) -> None:
-        for split in ("train", "val"):
-            b = buf[split]
-            if not b["seqs"]:
-                continue
-            idx = len(self.manifest["shards"])
-            name = f"shard-{idx:05d}.safetensors"
-            n_tok = write_shard(self.out / name, b["seqs"], b["plens"], b["keys"], b["topk"] or None)
-            n_resp = sum(len(s) - p for s, p in zip(b["seqs"], b["plens"]))
-            self.manifest["shards"].append({"file": name, "split": split, "sequences": len(b["seqs"]),
-                                            "tokens": n_tok, "reply_tokens": n_resp})
-        self.manifest["prompts_done"] = prompts_done
-        atomic_write_json(self.out / MANIFEST, self.manifest)
+class _Stop(Exception):
+    """Raised by the SIGTERM handler: flush what is finished, then stop."""
 
 
-def _empty_buf() -> dict:
-    return {s: {"seqs": [], "plens": [], "keys": [], "topk": []} for s in ("train", "val")}
+def _log(msg: str) -> None:
+    print(f"[distill {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_distill(cfg: DistillConfig, backbone=None) -> dict:
-    """Generate (or resume generating) a distillation set; return the manifest."""
+class _Buffer:
+    """Finished sequences of one split, not yet in a shard."""
+
+    def __init__(self):
+        self.seqs, self.plens, self.keys, self.hashes, self.sources, self.topk = [], [], [], [], [], []
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+def _settings(backbone, cfg: DistillConfig) -> dict:
+    dtype = str(getattr(backbone.model, "dtype", "unknown")).replace("torch.", "")
+    return {"model": backbone.name, "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature, "mode": cfg.mode, "topk_logits": cfg.topk_logits,
+            "max_prompt_tokens": cfg.max_prompt_tokens}
+
+
+def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
+    """Append self-distilled sequences to the store ``cfg.out``; return its manifest.
+
+    Prompts come from ``cadence.training.sources.mixed_items`` (or ``items``, an iterable of
+    (source, PromptItem), for tests). A prompt whose hash the store already holds is
+    skipped, so running the same command again continues where the last run stopped, and
+    a later run with more sources or a higher ``--max-prompts`` adds to the same store.
+    A shard is written when ``shard_prompts`` sequences are finished or ``flush_seconds``
+    have passed, and on SIGTERM / Ctrl-C (finished sequences are kept; the batch being
+    generated is lost and its prompts are answered by the next run).
+    """
+    from cadence.training.sources import mixed_items
+    from cadence.training.store import Store
+
     if cfg.mode not in ("generate", "reference"):
         raise CadenceError(f"unknown distill mode {cfg.mode!r}")
+    if cfg.batch_size < 1 or cfg.shard_prompts < 1:
+        raise CadenceError("--batch-size and --shard-prompts must be at least 1")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(out)
-    fp = _config_fingerprint(cfg)
-    if manifest is None:
-        manifest = {"config": fp, "prompts_done": 0, "skipped": 0, "shards": [], "seconds": 0.0}
-    elif manifest["config"] != fp:
-        diff = {k: (manifest["config"].get(k), v) for k, v in fp.items() if manifest["config"].get(k) != v}
-        raise CadenceError(f"{out} was made with other settings {diff}; use a new --out directory")
+    if manifest is not None and manifest.get("format") is None:
+        raise CadenceError(f"{out} holds data of another format (safetensors shards, made before the store); "
+                           "train and calibrate still read it, but distill into a new --out")
     if backbone is None:
         from cadence.backbone import load_backbone
-        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device)
-    items = ordered_items(cfg)[manifest["prompts_done"]:cfg.max_prompts]
-    writer = _Writer(out, manifest)
-    bar = tqdm(total=len(items), desc="distill", unit="prompt")
-    done, n_new, t0, base_s = manifest["prompts_done"], 0, time.time(), manifest["seconds"]
-    for start in range(0, len(items), cfg.shard_prompts):
-        chunk = items[start:start + cfg.shard_prompts]
-        buf = _empty_buf()
-        encoded = [(it, backbone.encode_prompt(it.prompt, chat=True)) for it in chunk]
-        kept = [(it, ids) for it, ids in encoded if len(ids) <= cfg.max_prompt_tokens]
-        manifest["skipped"] += len(encoded) - len(kept)
-        bar.update(len(encoded) - len(kept))
-        kept.sort(key=lambda x: len(x[1]))  # less padding per batch
-        for b in range(0, len(kept), cfg.batch_size):
-            batch = kept[b:b + cfg.batch_size]
-            if cfg.mode == "generate":
-                replies, topk = generate_batch(backbone, [ids for _, ids in batch], cfg)
-            else:
-                replies, topk = reference_batch(backbone, [it for it, _ in batch]), None
-            for j, ((it, ids), reply) in enumerate(zip(batch, replies)):
-                b_ = buf["val" if is_val(it.key) else "train"]
-                b_["seqs"].append(ids + reply)
-                b_["plens"].append(len(ids))
-                b_["keys"].append(it.key)
-                if topk is not None:
-                    b_["topk"].append(topk[j])
-                n_new += len(reply)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{n_new / max(time.time() - t0, 1e-9):.1f}")
-        done += len(chunk)
-        manifest["seconds"] = base_s + time.time() - t0
-        writer.flush(buf, done)
-    bar.close()
-    return manifest
+        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, backend="transformers")
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    store = Store(out, backbone.name, backbone.vocab_size, manifest)
+    try:
+        return _run(cfg, backbone, store, items if items is not None else mixed_items(cfg.sources, cfg.seed))
+    finally:
+        store.close()
+
+
+def _run(cfg: DistillConfig, backbone, store, items) -> dict:
+    settings = _settings(backbone, cfg)
+    limit = cfg.max_prompts if cfg.max_prompts > 0 else math.inf
+    m = store.manifest
+    done = store.done_hashes()
+    bufs = {"train": _Buffer(), "val": _Buffer()}
+    skipped: list[str] = []
+    state = {"last_flush": time.time(), "flushed_s": time.time()}
+    run = {"reply": 0, "prompts": 0, "t0": time.time(), "cpu0": time.process_time()}
+    threads = max(torch.get_num_threads(), 1)
+
+    def flush(final: bool) -> None:
+        now = time.time()
+        seconds = now - state["flushed_s"]
+        state["flushed_s"] = now
+        wrote = False
+        for split in ("train", "val"):
+            b = bufs[split]
+            if not b or (split == "val" and not final and len(b) < max(8, cfg.shard_prompts // 8)):
+                continue
+            n = cfg.shard_prompts
+            for a in range(0, len(b), n):
+                entry = store.append(split, b.seqs[a:a + n], b.plens[a:a + n], b.keys[a:a + n], b.hashes[a:a + n],
+                                     b.sources[a:a + n], settings,
+                                     b.topk[a:a + n] if cfg.topk_logits > 0 else None, skipped=list(skipped),
+                                     seconds=0.0 if wrote else seconds)
+                skipped.clear()
+                wrote = True
+                size = (store.dir / entry["file"]).stat().st_size
+                _log(f"wrote {entry['file']} ({split}: {entry['sequences']} sequences, {entry['tokens']} tokens, "
+                     f"{entry['reply_tokens']} reply tokens, {size / 1024:.1f} KiB, "
+                     f"{size / max(entry['tokens'], 1) * 1e6 / 2**20:.2f} MiB per million tokens)")
+            bufs[split] = _Buffer()
+        if not wrote and (skipped or final):
+            store.append("train", [], [], [], [], [], settings, skipped=list(skipped), seconds=seconds)
+            skipped.clear()
+        state["last_flush"] = now
+
+    def process(batch: list[tuple[str, PromptItem, str, list[int]]]) -> None:
+        t = time.time()
+        if cfg.mode == "generate":
+            replies, topk = generate_batch(backbone, [ids for *_, ids in batch], cfg)
+        else:
+            replies, topk = reference_batch(backbone, [it for _, it, _, _ in batch]), None
+        dt = time.time() - t
+        n_reply = 0
+        for j, ((src, it, h, ids), reply) in enumerate(zip(batch, replies)):
+            b = bufs["val" if is_val(it.key) else "train"]
+            b.seqs.append(ids + reply)
+            b.plens.append(len(ids))
+            b.keys.append(it.key)
+            b.hashes.append(h)
+            b.sources.append(src)
+            if topk is not None:
+                b.topk.append(topk[j])
+            n_reply += len(reply)
+        run["reply"] += n_reply
+        run["prompts"] += len(batch)
+        wall = time.time() - run["t0"]
+        busy = (time.process_time() - run["cpu0"]) / threads  # excludes time spent paused (SIGSTOP)
+        mix = ", ".join(f"{k} {v}" for k, v in sorted(_count(src for src, *_ in batch).items()))
+        _log(f"batch of {len(batch)} ({mix}): {n_reply} reply tokens in {dt:.1f} s = {n_reply / max(dt, 1e-9):.1f} tok/s; "
+             f"this run {run['prompts']} prompts, {run['reply']} reply tokens, "
+             f"{run['reply'] / max(wall, 1e-9):.1f} tok/s wall, {run['reply'] / max(busy, 1e-9):.1f} tok/s busy; "
+             f"store {m['prompts_done'] + sum(len(x) for x in bufs.values())} prompts, "
+             f"{(m['reply_tokens'] + sum(len(s) - p for x in bufs.values() for s, p in zip(x.seqs, x.plens))) / 1e6:.3f} M reply tokens")
+        if len(bufs["train"]) >= cfg.shard_prompts or time.time() - state["last_flush"] >= cfg.flush_seconds:
+            flush(False)
+
+    def on_term(signum, frame):
+        raise _Stop()
+
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, on_term)
+    pool_size = cfg.batch_size * 4
+    pool: list = []
+    _log(f"store {store.dir}: {m['prompts_done']} prompts, {len(m['shards'])} shards, "
+         f"{m['reply_tokens']} reply tokens; settings {settings}; batch {cfg.batch_size}, "
+         f"{threads} threads")
+    try:
+        pending, start = 0, m["prompts_done"]
+        for src, it in items:
+            if start + pending >= limit:
+                break
+            h = prompt_hash(it.prompt)
+            if h in done:
+                continue
+            done.add(h)
+            pending += 1
+            ids = backbone.encode_prompt(it.prompt, chat=True) if len(it.prompt) <= 16 * cfg.max_prompt_tokens else None
+            if ids is None or len(ids) > cfg.max_prompt_tokens:
+                skipped.append(h)
+                continue
+            pool.append((src, it, h, ids))
+            if len(pool) >= pool_size:
+                pool.sort(key=lambda x: len(x[3]))  # less padding per batch
+                while pool:
+                    process(pool[:cfg.batch_size])
+                    del pool[:cfg.batch_size]
+        pool.sort(key=lambda x: len(x[3]))
+        while pool:
+            process(pool[:cfg.batch_size])
+            del pool[:cfg.batch_size]
+        flush(True)
+    except (_Stop, KeyboardInterrupt):
+        _log("interrupted: writing the finished sequences")
+        flush(True)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    wall = time.time() - run["t0"]
+    _log(f"done: {run['prompts']} prompts, {run['reply']} reply tokens in {wall:.0f} s "
+         f"({run['reply'] / max(wall, 1e-9):.1f} tok/s); store {m['prompts_done']} prompts, "
+         f"{len(m['shards'])} shards, {m['reply_tokens']} reply tokens")
+    return m
+
+
+def _count(xs) -> dict:
+    out: dict = {}
+    for x in xs:
+        out[x] = out.get(x, 0) + 1
+    return out
 
 
 def merge_datasets(out: str | Path, sources: list[tuple[str | Path, int | None]],

@@ -25,7 +25,7 @@ import random
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,42 +50,61 @@ CKPT_FORMAT = 1
 class TrainConfig:
     """Settings of one head-training run; CLI flags derive from these fields."""
 
-    data: str = "data/distill-smollm2"  # distilled data directory (manifest.json + shards); only shards in its manifest are read
-    out: str = "runs/train"  # output directory: checkpoint.pt, train_log.jsonl, summary.json, heads/
-    kind: str = "hydra"  # head type: medusa | hydra | mtp
-    num_heads: int = 3  # K, heads drafting tokens 2..K+1 after the backbone's own
-    loss: str = "ce"  # ce | kl | ce+adamtp | kl+adamtp
-    target: str = "token"  # ce target: token (the data token) | backbone (backbone argmax at that position)
-    teacher: str = "full"  # kl teacher: full (backbone LM head on its hidden state) | topk (logits stored in the shards)
-    loss_lambda: float = 0.8  # head k's loss is weighted loss_lambda^(k-1)
-    adamtp_window: int = 16  # AdaMTP: trailing window of entropies for the running mean / std
-    adamtp_c: float = 2.0  # AdaMTP: boundary where entropy > mean + c * std
-    steps: int = 1000  # optimizer steps in total
-    batch_size: int = 4  # packed rows per micro-batch and process
-    max_len: int = 512  # tokens per packed row; longer sequences are truncated
-    grad_accum: int = 1  # micro-batches per optimizer step
-    lr: float = 1e-3  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.0  # cosine decay ends at lr * min_lr_ratio
-    warmup_steps: int = 50  # linear warm-up steps
-    weight_decay: float = 0.0  # AdamW weight decay
-    grad_clip: float = 1.0  # max gradient norm (0 = off)
-    bf16: bool = False  # bf16 autocast for heads and loss (mixed precision)
-    loss_chunk: int = 1024  # positions per LM-head chunk in the loss (bounds logits memory)
-    eval_every: int = 200  # evaluate on the held-out 'val' shards every N steps (0 = only at the end)
-    eval_rows: int = 0  # held-out packed rows per evaluation (0 = all)
-    save_every: int = 100  # write checkpoint.pt every N steps (and at the end)
-    log_every: int = 10  # write a train_log.jsonl record every N steps
-    stop_after: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0 = run to the end
-    resume: bool = True  # resume from out/checkpoint.pt when it exists (--no-resume refuses to touch it)
-    cache_hidden: str = ""  # hidden-state cache directory: built (or extended) once, then no backbone forward
-    cache_dtype: str = "bfloat16"  # dtype of cached hidden states: bfloat16 | float16 | float32
-    cache_only: bool = False  # build or extend --cache-hidden and exit without training
-    draft_vocab: int = 0  # train (ce) and draft over the N most frequent reply tokens of the data; 0 = full vocabulary
-    seed: int = 0  # data order and head initialisation
-    progress: bool = True  # show a progress bar
-    model: str = "smollm2"  # backbone (frozen)
-    dtype: str = "auto"  # backbone dtype
-    device: str = "auto"  # auto | cpu (under accelerate launch, the process's device)
+    data: str = field(default="data/distill-smollm2", metadata={
+        "help": "distilled data directory (manifest.json + shards); only shards in its manifest are read"})
+    out: str = field(default="runs/train", metadata={
+        "help": "output directory: checkpoint.pt, train_log.jsonl, summary.json, heads/"})
+    kind: str = field(default="hydra", metadata={"help": "head type: medusa | hydra | mtp"})
+    num_heads: int = field(default=3, metadata={
+        "help": "K, heads drafting tokens 2..K+1 after the backbone's own"})
+    loss: str = field(default="ce", metadata={"help": "ce | kl | ce+adamtp | kl+adamtp"})
+    target: str = field(default="token", metadata={
+        "help": "ce target: token (the data token) | backbone (backbone argmax at that position)"})
+    teacher: str = field(default="full", metadata={
+        "help": "kl teacher: full (backbone LM head on its hidden "
+                "state) | topk (logits stored in the shards)"})
+    loss_lambda: float = field(default=0.8, metadata={"help": "head k's loss is weighted loss_lambda^(k-1)"})
+    adamtp_window: int = field(default=16, metadata={
+        "help": "AdaMTP: trailing window of entropies for the running mean / std"})
+    adamtp_c: float = field(default=2.0, metadata={"help": "AdaMTP: boundary where entropy > mean + c * std"})
+    steps: int = field(default=1000, metadata={"help": "optimizer steps in total"})
+    batch_size: int = field(default=4, metadata={"help": "packed rows per micro-batch and process"})
+    max_len: int = field(default=512, metadata={
+        "help": "tokens per packed row; longer sequences are truncated"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (AdamW)"})
+    min_lr_ratio: float = field(default=0.0, metadata={"help": "cosine decay ends at lr * min_lr_ratio"})
+    warmup_steps: int = field(default=50, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max gradient norm (0 = off)"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 autocast for heads and loss (mixed precision)"})
+    loss_chunk: int = field(default=1024, metadata={
+        "help": "positions per LM-head chunk in the loss (bounds logits memory)"})
+    eval_every: int = field(default=200, metadata={
+        "help": "evaluate on the held-out 'val' shards every N steps (0 = only at the end)"})
+    eval_rows: int = field(default=0, metadata={"help": "held-out packed rows per evaluation (0 = all)"})
+    save_every: int = field(default=100, metadata={
+        "help": "write checkpoint.pt every N steps (and at the end)"})
+    log_every: int = field(default=10, metadata={"help": "write a train_log.jsonl record every N steps"})
+    stop_after: int = field(default=0, metadata={
+        "help": "stop (with a checkpoint) after this many steps in this invocation; 0 = run to the end"})
+    resume: bool = field(default=True, metadata={
+        "help": "resume from out/checkpoint.pt when it exists (--no-resume refuses to touch it)"})
+    cache_hidden: str = field(default="", metadata={
+        "help": "hidden-state cache directory: built (or extended) once, then no backbone forward"})
+    cache_dtype: str = field(default="bfloat16", metadata={
+        "help": "dtype of cached hidden states: bfloat16 | float16 | float32"})
+    cache_only: bool = field(default=False, metadata={
+        "help": "build or extend --cache-hidden and exit without training"})
+    draft_vocab: int = field(default=0, metadata={
+        "help": "train (ce) and draft over the N most frequent "
+                "reply tokens of the data; 0 = full vocabulary"})
+    seed: int = field(default=0, metadata={"help": "data order and head initialisation"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    model: str = field(default="smollm2", metadata={"help": "backbone (frozen)"})
+    dtype: str = field(default="auto", metadata={"help": "backbone dtype"})
+    device: str = field(default="auto", metadata={
+        "help": "auto | cpu (under accelerate launch, the process's device)"})
 
 
 # Fields that may change between a run and its resumption.

@@ -1,0 +1,230 @@
+"""The fast decoder: a lean forward for Llama-family backbones, same interface as ``Backbone``.
+
+Knows: how to run the decoder layers of a loaded transformers Llama/Mistral/Qwen2/Qwen3
+model with fused QKV and gate/up projections (``kernels.Linear``), RMSNorm through
+``F.rms_norm``, RoPE from a table (``rope``), attention through
+``scaled_dot_product_attention`` with one boolean mask shared by all layers, and a
+preallocated cache (``cache.StaticKVCache``) written in place.
+
+Weights (one copy resident): the fused QKV and gate/up matrices are built once and the
+transformers modules' ``weight`` parameters are turned into views of them (``dense``
+kernels), so ``model.model`` keeps working, unchanged. With the prepacked oneDNN kernel
+(the CPU default) the fused matrices are packed into oneDNN's layout and the dense
+decoder-layer weights are released; the first call into the transformers model itself
+(``bb.model(...)``, ``bb.model.generate``) rebuilds them from the packed ones (a second
+copy from then on). Embedding and LM head stay the transformers tensors (the heads share
+them); with ``pack_head`` the LM head is also packed (a copy of vocab x hidden).
+Does not know: trees, heads, verification; the engine passes tokens, positions and an
+(n, n) tree mask like it does to ``Backbone``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cadence.backbone import Backbone, ForwardOut
+from cadence.errors import CadenceError
+from cadence.fast import arch, rope
+from cadence.fast.cache import StaticKVCache
+from cadence.fast.kernels import Linear, resolve_kind
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, cast back, scale by the weight."""
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * y.to(x.dtype)
+
+
+def _bias(*linears) -> torch.Tensor | None:
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
+                                                                  device=m.weight.device)
+                      for b, m in zip(biases, linears)])
+
+
+class _Layer:
+    __slots__ = ("down", "gate_up", "k_norm", "ln1", "ln2", "o", "q_norm", "qkv")
+
+
+class FastBackbone(Backbone):
+    """``Backbone`` with a lean forward; every other attribute is the transformers one."""
+
+    def __init__(self, model, tokenizer=None, name: str = "model", kernel: str = "auto",
+                 pack_head: bool = False):
+        super().__init__(model, tokenizer, name=name)
+        self.spec = arch.check(model.config)
+        self.kernel = resolve_kind(kernel, self.device, self.dtype)
+        self.pack_head = pack_head and self.kernel == "onednn"
+        self._layers: list[_Layer] = []
+        self._released: list = []  # (module, name, fused Linear, row slice) to rebuild on demand
+        self._build()
+        self.rope = rope.RopeTable(model.model.rotary_emb, self.max_positions, self.dtype, self.device)
+        self._head = Linear(self.lm_head.weight, self.lm_head.bias, "onednn" if self.pack_head else
+                            ("onednn-dense" if self.kernel.startswith("onednn") else "aten"))
+        self._hook = None
+        if self._released:
+            self._hook = self.model.register_forward_pre_hook(lambda mod, args: self._restore())
+
+    @classmethod
+    def from_backbone(cls, bb: Backbone, **kwargs) -> FastBackbone:
+        return cls(bb.model, bb.tokenizer, name=bb.name, **kwargs)
+
+    # -- weights -------------------------------------------------------------------------
+    @torch.no_grad()
+    def _fuse(self, modules: list) -> Linear:
+        weight = torch.cat([m.weight.detach() for m in modules], dim=0)
+        fused = Linear(weight, _bias(*modules), self.kernel)
+        start = 0
+        for m in modules:
+            rows = slice(start, start + m.out_features)
+            start += m.out_features
+            self._share(m, fused, rows)
+        return fused
+
+    def _own(self, module) -> Linear:
+        lin = Linear(module.weight, module.bias, self.kernel)
+        self._share(module, lin, slice(0, module.out_features))
+        return lin
+
+    def _share(self, module, lin: Linear, rows: slice) -> None:
+        if lin.dense is not None:  # the module's weight becomes a view of the fused matrix
+            module.weight = torch.nn.Parameter(lin.dense[rows], requires_grad=False)
+        else:  # packed: drop the dense copy, rebuild it if transformers' forward is ever used
+            module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            self._released.append((module, lin, rows))
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        """Rebuild the released dense weights (from the packed ones) for transformers' forward."""
+        cache = {}
+        for module, lin, rows in self._released:
+            if id(lin) not in cache:
+                cache[id(lin)] = lin.w.to_dense()
+            module.weight = torch.nn.Parameter(cache[id(lin)][rows], requires_grad=False)
+        self._released = []
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _build(self) -> None:
+        for block in self.model.model.layers:
+            at, mlp = block.self_attn, block.mlp
+            layer = _Layer()
+            layer.ln1 = block.input_layernorm.weight.detach()
+            layer.ln2 = block.post_attention_layernorm.weight.detach()
+            layer.qkv = self._fuse([at.q_proj, at.k_proj, at.v_proj])
+            layer.o = self._own(at.o_proj)
+            layer.gate_up = self._fuse([mlp.gate_proj, mlp.up_proj])
+            layer.down = self._own(mlp.down_proj)
+            layer.q_norm = at.q_norm.weight.detach() if self.spec.qk_norm else None
+            layer.k_norm = at.k_norm.weight.detach() if self.spec.qk_norm else None
+            self._layers.append(layer)
+        self.final_norm = self.model.model.norm.weight.detach()
+
+    def resident_bytes(self) -> dict:
+        """Bytes held by the fast path's weights and by the transformers tensors it shares."""
+        fused = sum(lin.nbytes() for layer in self._layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        emb = self.embed.weight
+        head_shared = self.lm_head.weight.data_ptr() == emb.data_ptr()
+        out = {"layers": fused, "embed": emb.numel() * emb.element_size(),
+               "lm_head": 0 if head_shared else self._head.nbytes(),
+               "packed_head_copy": self._head.nbytes() if self.pack_head else 0,
+               "dense_layer_copy": 0 if self.kernel != "onednn" or self._released else fused}
+        out["total"] = sum(out.values())
+        return out
+
+    # -- the Backbone interface ----------------------------------------------------------
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> StaticKVCache:
+        s = self.spec
+        return StaticKVCache(s.layers, s.kv_heads, s.head_dim, self.max_positions, self.dtype,
+                             self.device, batch=batch, capacity=capacity)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head(hidden.to(self.dtype)).float()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: StaticKVCache | None = None,
+                position_ids: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                need_logits: bool = True, attention_mask: torch.Tensor | None = None) -> ForwardOut:
+        """Same contract as ``Backbone.forward``; ``cache`` must come from ``new_cache``.
+        attention_mask: (batch, n) 1/0 padding mask, only for cache-free causal forwards."""
+        if cache is not None and not isinstance(cache, StaticKVCache):
+            raise CadenceError("FastBackbone.forward needs a cache from its own new_cache()")
+        if attention_mask is not None and (cache is not None or tree_mask is not None):
+            raise CadenceError("attention_mask (padding) is for cache-free forwards without a tree mask")
+        # the frozen backbone computes in its own dtype, also inside a caller's autocast
+        # (training under bf16 autocast): packed kernels take the weights' dtype only
+        with torch.autocast(self.device.type, enabled=False):
+            hidden = self.hidden_states(input_ids, cache, position_ids, tree_mask, attention_mask)
+            return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
+
+    def _mask(self, n: int, past: int, tree_mask, cached: bool):
+        """One (n, past + n) bool mask for every layer, or None when none is needed."""
+        if tree_mask is None and (n == 1 or not cached or past == 0):
+            return None  # single query, or plain causal (is_causal) over the new tokens only
+        allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
+        block = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
+            else tree_mask.to(device=self.device, dtype=torch.bool)
+        allowed[:, past:] = block
+        return allowed
+
+    def _padded_mask(self, pad: torch.Tensor) -> torch.Tensor:
+        """(batch, n) padding mask -> (batch, 1, n, n) bool: causal and not padding. The
+        diagonal stays allowed so a padding query never has an empty row (its output is
+        ignored; an empty row would be NaN)."""
+        n = pad.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        allowed = causal & pad.to(device=self.device, dtype=torch.bool)[:, None, None, :]
+        return allowed | torch.eye(n, dtype=torch.bool, device=self.device)
+
+    def hidden_states(self, input_ids, cache, position_ids, tree_mask, pad=None) -> torch.Tensor:
+        s = self.spec
+        b, n = input_ids.shape
+        past = cache.length() if cache is not None else 0
+        if cache is not None:
+            if cache.k.shape[1] != b:
+                raise CadenceError(f"cache holds batch {cache.k.shape[1]}, forward got batch {b}")
+            cache.reserve(n)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=self.device).expand(b, n)
+            top = past + n - 1
+        else:
+            position_ids = position_ids.to(self.device).expand(b, n)
+            top = int(position_ids.max())
+        cos, sin = self.rope.lookup(position_ids, top)
+        mask = self._mask(n, past, tree_mask, cache is not None)
+        causal = mask is None and tree_mask is None and n > 1  # plain causal over new tokens only
+        if pad is not None and not bool(pad.all()):
+            mask, causal = self._padded_mask(pad), False
+        H, KV, hd = s.heads, s.kv_heads, s.head_dim
+        gqa = H != KV
+        x = F.embedding(input_ids.to(self.device), self.embed.weight)
+        for i, layer in enumerate(self._layers):
+            h = _rms(x, layer.ln1, s.eps)
+            qkv = layer.qkv(h)
+            if s.qk_norm:
+                q = rope.apply(_rms(qkv[..., :H * hd].view(b, n, H, hd), layer.q_norm, s.eps), cos, sin)
+                k = rope.apply(_rms(qkv[..., H * hd:(H + KV) * hd].view(b, n, KV, hd), layer.k_norm, s.eps),
+                               cos, sin)
+            else:
+                qk = rope.apply(qkv[..., :(H + KV) * hd].view(b, n, H + KV, hd), cos, sin)
+                q, k = qk[:, :, :H], qk[:, :, H:]
+            v = qkv[..., (H + KV) * hd:].view(b, n, KV, hd)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if cache is not None:
+                cache.k[i, :, :, past:past + n] = k
+                cache.v[i, :, :, past:past + n] = v
+                k = cache.k[i, :, :, :past + n]
+                v = cache.v[i, :, :, :past + n]
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+            x = x + layer.o(att.transpose(1, 2).reshape(b, n, H * hd))
+            h = _rms(x, layer.ln2, s.eps)
+            gu = layer.gate_up(h)
+            g, u = gu.chunk(2, dim=-1)
+            x = x + layer.down(F.silu(g) * u)
+        if cache is not None:
+            cache.advance(n)
+        return _rms(x, self.final_norm, s.eps)

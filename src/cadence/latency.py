@@ -1,0 +1,141 @@
+"""Verify latency of this backbone on this machine: a short probe, cached per CPU.
+
+Knows: how long one scored tree of n nodes takes after a fixed context (median of
+interleaved rounds), where that curve is cached, and how to read it between the
+measured sizes. Does not know heads, acceptance or which tree to pick (``tree_choice``).
+
+Latency is a property of the machine, not of the heads: the same model's 3-node
+forward cost 1.9x a 1-node forward on one CPU here and 1.5x on another, and trees
+tuned on one were a slowdown on the other. So the curve is measured where decoding
+runs, the first time it is needed (a few seconds for SmolLM2-135M), and cached under
+``$CADENCE_CACHE/latency/`` keyed by CPU model and flags, core count, torch version,
+device, dtype, backend and model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from cadence.atomic import atomic_write_json
+from cadence.machine import cpu_model
+from cadence.scorer import score
+from cadence.trees import compile_tree, grow_tree, prior_acceptance
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # tree nodes, root included
+FORMAT = 1
+
+
+@dataclass
+class LatencyCurve:
+    """Seconds of one verify forward over n tree nodes, at the measured sizes."""
+
+    sizes: list[int]  # node counts measured, ascending (1 = the root alone)
+    seconds: list[float]  # median seconds per forward at each size
+    context: int = 256  # committed tokens in the cache while measuring
+    key: str = ""  # what the curve is valid for (see ``machine_key``)
+
+    def __call__(self, n: int) -> float:
+        """Latency at ``n`` nodes: measured, else linear between neighbours (beyond the
+        largest size: extrapolated from the last two).
+
+        Example: sizes [1, 4], seconds [0.04, 0.07] -> n=2: 0.05."""
+        s, t = self.sizes, self.seconds
+        if n in s:
+            return t[s.index(n)]
+        hi = next((i for i, x in enumerate(s) if x > n), len(s) - 1)
+        lo = max(hi - 1, 0)
+        if s[hi] == s[lo]:
+            return t[lo]
+        return t[lo] + (t[hi] - t[lo]) * (n - s[lo]) / (s[hi] - s[lo])
+
+    def ratio(self, n: int) -> float:
+        """Cost of n nodes relative to the root alone."""
+        return self(n) / self(1)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine_key(backbone) -> str:
+    """A file-name-safe key for the machine + backbone configuration a curve holds for."""
+    dev = backbone.device
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{cpu_model()}|{_cpu_flags()}"
+    parts = [where, str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, str(dev),
+             str(backbone.dtype), type(backbone).__name__, backbone.name,
+             str(backbone.hidden_size), str(backbone.vocab_size), str(backbone.config.num_hidden_layers)]
+    digest = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+    return f"{backbone.name}-{str(backbone.dtype).replace('torch.', '')}-{digest}"
+
+
+def _probe_tree(n: int):
+    """A representative tree of n nodes (a bushy one, as greedy growth makes them)."""
+    return compile_tree(grow_tree(prior_acceptance(8, ranks=n), n - 1), name=f"probe-{n}")
+
+
+@torch.inference_mode()
+def measure(backbone, sizes=SIZES, context: int = 256, rounds: int = 5) -> LatencyCurve:
+    """Median seconds of one scored tree per size, over ``rounds`` interleaved passes
+    (plus one warm-up pass), on a cache holding ``context`` tokens."""
+    context = min(context, backbone.max_positions - max(sizes) - 1)
+    gen = torch.Generator().manual_seed(0)
+    dev = backbone.device
+    ctx = torch.randint(0, backbone.vocab_size, (1, context), generator=gen).to(dev)
+    cache = backbone.new_cache()
+    backbone.forward(ctx, cache, need_logits=False)
+    trees = [_probe_tree(n) for n in sizes]
+    samples: list[list[float]] = [[] for _ in sizes]
+    for r in range(rounds + 1):
+        for i, tree in enumerate(trees):
+            tokens = torch.randint(0, backbone.vocab_size, (tree.size,), generator=gen).to(dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            logits = score(backbone, cache, context, tree, tokens).logits
+            int(logits[0, 0].argmax())  # a verdict needs the logits on the host
+            elapsed = time.perf_counter() - t
+            cache.compact(context, [])
+            if r:
+                samples[i].append(elapsed)
+    return LatencyCurve(list(sizes), [statistics.median(s) for s in samples], context, machine_key(backbone))
+
+
+def cache_path(backbone) -> Path:
+    from cadence.backbone import cache_root
+
+    return cache_root() / "latency" / f"{machine_key(backbone)}.json"
+
+
+def load_or_measure(backbone, sizes=SIZES, rounds: int = 5, remeasure: bool = False,
+                    verbose: bool = False) -> LatencyCurve:
+    """The cached curve for this machine and backbone, measuring it the first time."""
+    path = cache_path(backbone)
+    if path.is_file() and not remeasure:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") == FORMAT and data["curve"]["key"] == machine_key(backbone):
+                return LatencyCurve(**data["curve"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable cache: measure again
+    if verbose:
+        print(f"cadence: measuring verify latency on this machine (once; cached in {path})",
+              file=sys.stderr, flush=True)
+    curve = measure(backbone, sizes, rounds=rounds)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"format": FORMAT, "cpu": cpu_model(), "curve": asdict(curve)})
+    return curve

