@@ -236,6 +236,10 @@ def test_unverified_plans_are_refused(llama):
     heads = new_heads("hydra", llama, 3, random=True)
     with pytest.raises(CadenceError, match="unverified"):
         Engine(llama, HeadDrafter(heads), Unverified()).generate([1, 2, 3], GenerationConfig(max_new_tokens=5))
+    eng = Engine(llama, HeadDrafter(heads), Unverified())
+    eng.allow_unverified = True  # opted in: every draft is committed, the output is the heads' as well
+    g = eng.generate([1, 2, 3], GenerationConfig(max_new_tokens=9))
+    assert g.stats.steps == 5 and g.stats.unverified_steps == 4 and g.stats.tau == 9 / 5
 
 
 # 7. Validation of sampling settings and rules.

@@ -77,7 +77,9 @@ def _run_generate(args) -> int:
             g = engine.generate(ids, cfg)
             print(json.dumps({"prompt": prompt, "text": g.text, "method": spec.method.value,
                               "heads": spec.heads if spec.method.value != "vanilla" else None,
-                              "lossless": cfg.rule.lossless(cfg.sampling), **g.stats.summary()}), flush=True)
+                              "scheduler": getattr(engine, "scheduler_name", None),
+                              "lossless": cfg.rule.lossless(cfg.sampling) and not engine.allow_unverified,
+                              **g.stats.summary()}), flush=True)
             stats = g.stats
         else:
             stats = _stream(engine, ids, cfg)

@@ -40,7 +40,7 @@ from cadence.schedulers.base import Plan, Scheduler, SchedulerFactory, StepInfo,
 from cadence.schedulers.static import StaticScheduler
 from cadence.scorer import score
 from cadence.trees import compile_tree, truncate
-from cadence.verify import RULES, Rule, VerifyContext
+from cadence.verify import RULES, Rule, VerifyContext, unverified
 
 
 @dataclass
@@ -79,7 +79,8 @@ class Stats:
     accepted_at_depth: list[int] = field(default_factory=list)  # steps whose accepted length >= d, d=1..
     prefill_s: float = 0.0  # prompt forward
     wall_s: float = 0.0  # whole request, prefill included
-    step_log: list[StepInfo] = field(default_factory=list)  # one record per verified step
+    step_log: list[StepInfo] = field(default_factory=list)  # one record per step with a forward
+    unverified_steps: int = 0  # steps committed without verification (lossy schedulers, opt-in)
 
     @property
     def tau(self) -> float:
@@ -99,7 +100,8 @@ class Stats:
                 "prefill_s": round(self.prefill_s, 4), "wall_s": round(self.wall_s, 4),
                 "tokens_per_s": round(self.tokens_per_s, 3),
                 "tree": planned.most_common(1)[0][0] if planned else "root",
-                "mean_nodes": round(nodes, 3), "trees_run": dict(run.most_common())}
+                "mean_nodes": round(nodes, 3), "trees_run": dict(run.most_common()),
+                "unverified_steps": self.unverified_steps}
 
 
 @dataclass
@@ -130,6 +132,7 @@ class Engine:
             scheduler = lambda sampling: shared  # noqa: E731 - a stateless scheduler serves all
         self.new_scheduler: SchedulerFactory | None = scheduler
         self.trace_entropy = False  # record the root entropy of every step (a softmax per step)
+        self.allow_unverified = False  # opt-in: schedulers may commit drafts without verification (lossy)
 
     def start(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> "Request":
         """A new request (validated, nothing computed yet); iterate it or call ``step``."""
@@ -225,7 +228,8 @@ class Request:
         out = score(self.engine.backbone, self.cache, self.past, tree, tokens)
         self.stats.forwards += 1
         logits = out.logits[0]
-        verdict = self.rule(tree, tokens, logits, VerifyContext(self.sampling, q, self.generator))
+        rule = self.rule if plan.verify else unverified
+        verdict = rule(tree, tokens, logits, VerifyContext(self.sampling, q, self.generator))
         self.cache.compact(self.past, verdict.path)
         self.past += len(verdict.path)
         self.hidden, self.root_logits = out.hidden[0, verdict.path[-1]], logits[verdict.path[-1]]
@@ -256,8 +260,9 @@ class Request:
         if self.scheduler is None:
             return Plan(ROOT_ONLY)
         plan = self.scheduler.choose(state)
-        if not plan.verify:
-            raise CadenceError("this engine verifies every step; unverified plans are not supported")
+        if not plan.verify and not self.engine.allow_unverified:
+            raise CadenceError("the scheduler planned an unverified step, but this engine was not opted in "
+                               "to lossy unverified commits (Engine.allow_unverified)")
         depth = min(self.engine.drafter.max_depth(self.sampling), remaining - 1)
         return Plan(truncate(plan.tree, depth), plan.verify) if plan.tree.max_depth > depth else plan
 
@@ -294,8 +299,9 @@ class Request:
             stats.accepted_at_depth.append(0)
         for d in range(accepted):
             stats.accepted_at_depth[d] += 1
+        stats.unverified_steps += not plan.verify
         info = StepInfo(tree=tree.name, nodes=tree.size, accepted=accepted, seconds=seconds,
-                        depth=tree.max_depth, planned=plan.tree.name,
+                        depth=tree.max_depth, planned=plan.tree.name, verified=plan.verify,
                         entropy=state.entropy if self.engine.trace_entropy or "entropy" in vars(state) else None)
         stats.step_log.append(info)
         if self.scheduler is not None:

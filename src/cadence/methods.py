@@ -19,7 +19,8 @@ from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads
 from cadence.latency import LatencyCurve, load_or_measure
 from cadence.sampling import SamplingParams
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers import registry
+from cadence.schedulers.registry import SchedulerContext
 from cadence.tree_policy import TreePolicy, draft_seconds
 
 SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads"
@@ -47,6 +48,17 @@ class MethodSpec:
     copy: bool = field(default=True, metadata={"help": "greedy only: rank the context copy (token after the same n-gram earlier) first"})
     copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
     heads_seed: int = field(default=0, metadata={"help": "seed for --heads random"})
+    scheduler: str = field(default="auto", metadata={
+        "help": "how much to speculate each step: auto (adaptive with --tree auto on calibrated heads, "
+                "else static), or one of `cadence.schedulers.registry.names()`: static (--tree), "
+                "adaptive, adaptive-k, entmtp (lossless); lossy, opt-in: clp-unverified, confidence"})
+    profile: str = field(default="general", metadata={
+        "help": "entmtp: acceptance profile (general | humaneval | gsm8k | sharegpt | writing)"})
+    clp: str = field(default="", metadata={"help": "clp schedulers: path of the trained CLP (default: beside the heads)"})
+    confidence: str = field(default="", metadata={
+        "help": "confidence scheduler: path of the trained confidence head (default: beside the heads)"})
+    threshold: float = field(default=0.95, metadata={
+        "help": "confidence scheduler: commit drafts above this confidence unverified (lossy)"})
 
 
 def shipped_heads_dir(backbone, kind: str) -> Path | None:
@@ -74,21 +86,33 @@ def resolve_heads(backbone, spec: MethodSpec):
 
 
 def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None) -> Engine:
-    """Backbone + heads + drafter + a static scheduler whose tree is resolved per request
-    (``tree_policy.TreePolicy``); vanilla: no drafter. ``latency``: this machine's verify
-    curve for ``--tree auto`` (default: measured once per machine and cached)."""
+    """Backbone + heads + drafter + scheduler for ``spec`` (vanilla: no drafter). Trees are
+    resolved per request (``tree_policy.TreePolicy``); ``latency``: this machine's verify
+    curve for ``--tree auto`` and the adaptive schedulers (default: measured once per
+    machine and cached)."""
     if spec.method is Method.VANILLA:
         return Engine(backbone)
     heads = resolve_heads(backbone, spec)
     drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec))
     policy = TreePolicy(spec.tree, heads, drafter)
-    if spec.tree == "auto" and (heads.cfg.acceptance is not None or heads.cfg.copy_acceptance is not None):
+    name = resolve_scheduler_name(spec, heads)
+    if (spec.tree == "auto" or name != "static") and (heads.cfg.acceptance or heads.cfg.copy_acceptance):
         policy.latency = latency or load_or_measure(backbone, verbose=True)
         policy.draft_s = draft_seconds(drafter, backbone.hidden_size, backbone.device, backbone.dtype)
     policy.tree_for(SamplingParams())  # resolve now: a bad --tree fails before any request
-    engine = Engine(backbone, drafter, lambda sampling: StaticScheduler(policy.tree_for(sampling)))
-    engine.tree_policy = policy
+    sched = registry.entry(name)
+    engine = Engine(backbone, drafter, sched.build(SchedulerContext(backbone, heads, drafter, policy, spec)))
+    engine.allow_unverified = sched.lossy  # choosing a lossy scheduler is the opt-in
+    engine.tree_policy, engine.scheduler_name = policy, name
     return engine
+
+
+def resolve_scheduler_name(spec: MethodSpec, heads) -> str:
+    """``auto`` -> ``adaptive`` for ``--tree auto`` on calibrated heads, else ``static``."""
+    if spec.scheduler != "auto":
+        return spec.scheduler
+    calibrated = heads.cfg.acceptance is not None or heads.cfg.copy_acceptance is not None
+    return "adaptive" if spec.tree == "auto" and calibrated and "adaptive" in registry.names() else "static"
 
 
 def _copy_depth(heads, spec: MethodSpec) -> int:

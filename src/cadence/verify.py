@@ -94,6 +94,22 @@ def speculative(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, 
         path.append(node)
 
 
+def unverified(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx: VerifyContext) -> Verdict:
+    """Commit the drafted top chain without checking it (LOSSY; only for schedulers whose
+    plan says ``verify=False``, e.g. CLP's unverified mode): follow each node's first child
+    to a leaf. The bonus is still the backbone's own token after the last node (argmax,
+    or a sample at T > 0), since the forward that fills the cache computes it anyway.
+
+    Example: paths [(0,), (1,), (0, 0)] -> path [0, 1, 3] whatever the logits say."""
+    node, path = 0, [0]
+    while tree.children[node]:
+        node = tree.children[node][0]
+        path.append(node)
+    last = logits[node]
+    bonus = int(last.argmax()) if ctx.sampling.greedy else sample(probs(last, ctx.sampling), ctx.generator)
+    return Verdict(path, bonus)
+
+
 def typical(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx: VerifyContext) -> Verdict:
     """Medusa's typical acceptance (lossy): accept x iff p(x) > min(eps, alpha * exp(-H(p))).
 

@@ -56,6 +56,7 @@ class StepInfo:
     seconds: float  # wall time of the step (draft + verify + commit)
     depth: int  # deepest node of the tree that ran
     planned: str = ""  # name of the tree the scheduler planned (differs when nodes were dropped)
+    verified: bool = True  # False: the drafts were committed unverified (lossy plan)
     entropy: float | None = None  # nats at the root, when the scheduler asked for it or the engine traces it
 
 

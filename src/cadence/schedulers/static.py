@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cadence.schedulers.base import Plan, StepInfo, StepState
+from cadence.schedulers.registry import register
 from cadence.trees import CompiledTree, compile_tree, preset
 
 
@@ -19,3 +20,9 @@ class StaticScheduler:
 
     def observe(self, info: StepInfo) -> None:
         pass
+
+
+@register("static", lossy=False, help="one tree for the whole generation: --tree (lossless)")
+def build_static(ctx):
+    policy = ctx.policy
+    return lambda sampling: StaticScheduler(policy.tree_for(sampling))
