@@ -27,10 +27,12 @@ PROMPTS = Path(__file__).parent / "prompts" / "categories.jsonl"
 
 
 def parse_method(text: str) -> MethodSpec:
-    """'hydra' | 'hydra:auto-8' | 'hydra/nocopy' -> MethodSpec."""
+    """'hydra' | 'hydra:auto-8' | 'hydra+adaptive-k' | 'hydra:auto+static/nocopy' -> MethodSpec."""
     text, _, flag = text.partition("/")
+    text, _, scheduler = text.partition("+")
     name, _, tree = text.partition(":")
-    return MethodSpec(method=Method(name), tree=tree or "auto", copy=flag != "nocopy")
+    return MethodSpec(method=Method(name), tree=tree or "auto", copy=flag != "nocopy",
+                      scheduler=scheduler or "auto")
 
 
 def main() -> None:
@@ -47,7 +49,7 @@ def main() -> None:
     engines = {"vanilla": make_engine(bb, MethodSpec(method=Method.VANILLA))}
     for m in args.methods:
         engines[m] = make_engine(bb, parse_method(m))
-    trees = {m: e.new_scheduler(GenerationConfig().sampling).plan.tree.name
+    trees = {m: f"{e.scheduler_name}, --tree {e.tree_policy.name}"
              for m, e in engines.items() if e.drafter is not None}
     items = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
@@ -63,7 +65,8 @@ def main() -> None:
         for m, g in out.items():
             rows.append({"id": it["id"], "category": it["category"], "method": m, "tokens": g.stats.new_tokens,
                          "seconds": g.stats.wall_s, "steps": g.stats.steps, "identical": g.tokens == ref})
-        print(f"{it['id']}: " + ", ".join(f"{m} {g.stats.tokens_per_s:.1f} tok/s" for m, g in out.items()),
+        print(f"{it['id']}: " + ", ".join(f"{m} {g.stats.tokens_per_s:.1f} tok/s tau {g.stats.tau:.2f}"
+                                          for m, g in out.items()),
               flush=True)
     table = summarize(rows, list(engines))
     print_table(table, list(engines), trees)

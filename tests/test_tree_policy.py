@@ -61,3 +61,48 @@ def test_tree_is_resolved_per_request_sampling(llama):
     assert not sampled.name.endswith("+copy") and sampled.max_depth <= 3
     assert list(sampled.paths) == best_tree(TABLE, flat, 0.0, 3, 3).paths
     assert GenerationConfig(temperature=0.7).sampling == SamplingParams(temperature=0.7)
+
+
+# EntMTP: entropy estimate, bins and hysteresis.
+
+def test_entropy_ema_is_bias_corrected():
+    from cadence.schedulers.entmtp import EntropyEMA
+
+    e = EntropyEMA(window=2)
+    assert e.update(4.0) == pytest.approx(4.0)
+    assert e.update(0.0) == pytest.approx(1.0 / 0.75)
+
+
+def _entmtp():
+    from cadence.schedulers.entmtp import EntMTPScheduler
+    from cadence.trees import compile_tree
+
+    trees = [compile_tree(chain(d), name=f"c{d}") for d in (3, 2, 0)]
+    return EntMTPScheduler([0.5, 1.5], trees, window=1, hysteresis=0.1)  # window 1: no smoothing
+
+
+def test_entmtp_switches_when_the_signal_crosses_a_threshold():
+    s = _entmtp()
+    seq = [0.2, 0.3, 1.0, 1.2, 2.5, 3.0, 0.1]
+    assert [s.update(h) for h in seq] == [0, 0, 1, 1, 2, 2, 0]
+
+
+def test_entmtp_does_not_flap_on_noise_at_an_edge():
+    s = _entmtp()
+    s.update(1.0)  # bin 1
+    noisy = [1.45, 1.55, 1.52, 1.48, 1.58, 1.44, 0.45, 0.55, 0.42]  # within 0.1 of the edges
+    assert {s.update(h) for h in noisy} == {1} and s.switches == 0
+
+
+def test_entmtp_smoothing_ignores_a_single_spike():
+    from cadence.schedulers.entmtp import EntMTPScheduler
+    from cadence.trees import compile_tree
+
+    trees = [compile_tree(chain(d), name=f"c{d}") for d in (3, 2, 0)]
+    s = EntMTPScheduler([0.5, 1.5], trees, window=8, hysteresis=0.1)
+    for _ in range(10):
+        s.update(0.2)
+    assert s.update(2.0) == 0  # one harder token does not change the tree (EMA W=8: estimate 0.49)
+    for _ in range(12):
+        b = s.update(3.0)
+    assert b == 2

@@ -31,7 +31,7 @@ from cadence.cliargs import add_fields, from_args
 from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.drafter import HeadDrafter
 from cadence.errors import CadenceError
-from cadence.sampling import SamplingParams
+from cadence.sampling import SamplingParams, entropy
 from cadence.scorer import score
 from cadence.trees import compile_tree, expected_tau, grow_tree
 from cadence.verify import VerifyContext, greedy
@@ -57,20 +57,30 @@ class CalibrateConfig:
         "help": "also calibrate a tree for drafting with context copy (stored as copy_tree)"})
     copy_depth: int = field(default=8, metadata={
         "help": "deepest tree level considered when copying (levels past K are copies only)"})
+    split: str = field(default="val", metadata={
+        "help": "store split measured (val: held out from training; train: when no val shards exist yet)"})
+    profiles: bool = field(default=True, metadata={
+        "help": "also measure acceptance profiles per task and entropy bin (EntMTP) into profiles.json"})
+    tasks: list[str] = field(default_factory=lambda: ["general", "humaneval", "gsm8k", "sharegpt", "writing"],
+                             metadata={"help": "profiles to measure: general and/or humaneval, gsm8k, sharegpt, "
+                                               "writing (by the store's prompt source)"})
+    bins: int = field(default=5, metadata={"help": "entropy bins per profile (quantiles)"})
+    profile_tokens: int = field(default=12000, metadata={"help": "reply tokens per profile"})
     model: str = field(default="smollm2", metadata={"help": "backbone"})
     dtype: str = field(default="auto", metadata={"help": "backbone dtype"})
     device: str = field(default="auto", metadata={"help": "backbone device"})
 
 
-def _val_sequences(data_dir: str | Path):
+def _val_sequences(data_dir: str | Path, split: str = "val"):
     from cadence.training.data import iter_sequences, load_manifest, read_shard
 
     manifest = load_manifest(Path(data_dir))
     if manifest is None:
         raise CadenceError(f"{data_dir} has no manifest.json")
-    shards = [s for s in manifest["shards"] if s["split"] == "val"]
+    shards = [s for s in manifest["shards"] if s["split"] == split]
     if not shards:
-        raise CadenceError(f"{data_dir} has no held-out ('val') shards yet")
+        raise CadenceError(f"{data_dir} has no {split!r} shards yet" + (" (--split train measures on the "
+                           "training split)" if split == "val" else ""))
     for shard in shards:
         yield from iter_sequences(read_shard(Path(data_dir) / shard["file"]))
 
@@ -84,9 +94,10 @@ class _RankHistogram:
         self.hist = torch.zeros(depth, ranks + 1)  # last column: outside the top `ranks`
         self.cond = torch.zeros(depth)
 
-    def add(self, rank_by_depth: list[torch.Tensor]) -> None:
-        """rank_by_depth[k]: (n_k,) ranks at depth k+1 for positions t0.. (n_k shrinks with k)."""
-        ok = None
+    def add(self, rank_by_depth: list[torch.Tensor], keep: torch.Tensor | None = None) -> None:
+        """rank_by_depth[k]: (n_k,) ranks at depth k+1 for positions t0.. (n_k shrinks with k);
+        keep: (n_0,) bool, the positions to count (all when None)."""
+        ok = keep
         for k, rank in enumerate(rank_by_depth):
             n = len(rank)
             prev_ok = torch.ones(n, dtype=torch.bool) if ok is None else ok[:n]
@@ -100,9 +111,44 @@ class _RankHistogram:
         return [[round(v, 5) for v in row] for row in table]
 
 
+@dataclass
+class SequenceRanks:
+    """Teacher-forced ranks of the true token on one sequence, from position t0 on."""
+
+    plain: list[torch.Tensor]  # plain[k]: (n_k,) rank under head k+1 alone (``ranks`` = absent)
+    copied: list[torch.Tensor] | None  # the same with the context copy ranked first, depths 1..copy depth
+    entropy: torch.Tensor | None  # (n_0,) backbone entropy (nats) at each root, when asked for
+
+
 @torch.inference_mode()
+def sequence_ranks(backbone, heads, ids: torch.Tensor, plen: int, ranks: int, copy: CopyConfig | None = None,
+                   depth: int = 0, want_entropy: bool = False) -> SequenceRanks | None:
+    """Ranks for one distilled sequence (None when its reply is too short). Position t's
+    root is x[t+1] (the backbone's token), head k drafts x[t+1+k]; t0 = plen - 1."""
+    K = heads.K
+    ids = ids.to(backbone.device)
+    T = len(ids)
+    if T - plen < K + 2:
+        return None
+    hidden = backbone.forward(ids[None], need_logits=False).hidden
+    feats = heads.train_features(hidden, ids[None])
+    t0 = max(plen - 1, 0)  # first position whose next token is a reply token
+    tops = []  # tops[k-1]: (T-1-k-t0, ranks) head k's candidate ids at t = t0..
+    for k in range(1, K + 1):
+        top = heads.draft_logits(feats[k - 1][0][t0:]).topk(ranks, dim=-1).indices
+        tops.append(heads.draft_vocab[top] if heads.draft_vocab is not None else top)
+    plain = [_rank_in(top, ids[t0 + k + 1:], ranks) for k, top in enumerate(tops, 1)]
+    copied = None
+    if copy is not None:
+        copied = _copy_ranks(ids.tolist(), t0, [t.tolist() for t in tops], copy, max(depth, K), ranks)
+    ent = None
+    if want_entropy:
+        ent = torch.cat([entropy(backbone.logits(h)) for h in hidden[0, t0:T - 2].split(256)]).cpu()
+    return SequenceRanks(plain, copied, ent)
+
+
 def rank_tables(backbone, heads, data_dir: str | Path, tokens: int, ranks: int,
-                copy: CopyConfig | None = None, copy_depth: int = 0
+                copy: CopyConfig | None = None, copy_depth: int = 0, split: str = "val"
                 ) -> tuple[list[list[float]], list[list[float]] | None]:
     """a[k][i] from teacher-forced held-out sequences (see module docstring): for the heads
     alone, and (``copy`` set) with the context copy ranked first, down to ``copy_depth``."""
@@ -111,25 +157,17 @@ def rank_tables(backbone, heads, data_dir: str | Path, tokens: int, ranks: int,
     plain, copied = _RankHistogram(K, ranks), _RankHistogram(depth, ranks) if copy else None
     seen = 0
     bar = tqdm(total=tokens, desc="acceptance", unit="tok")
-    for ids, plen in _val_sequences(data_dir):
+    for ids, plen in _val_sequences(data_dir, split):
         if seen >= tokens:
             break
-        ids = ids.to(backbone.device)
-        T = len(ids)
-        if T - plen < K + 2:
+        r = sequence_ranks(backbone, heads, ids, plen, ranks, copy, depth)
+        if r is None:
             continue
-        hidden = backbone.forward(ids[None], need_logits=False).hidden
-        feats = heads.train_features(hidden, ids[None])
-        t0 = max(plen - 1, 0)  # first position whose next token is a reply token
-        tops = []  # tops[k-1]: (T-1-k-t0, ranks) head k's candidate ids at t = t0..
-        for k in range(1, K + 1):
-            top = heads.draft_logits(feats[k - 1][0][t0:]).topk(ranks, dim=-1).indices
-            tops.append(heads.draft_vocab[top] if heads.draft_vocab is not None else top)
-        plain.add([_rank_in(top, ids[t0 + k + 1:], ranks) for k, top in enumerate(tops, 1)])
+        plain.add(r.plain)
         if copied is not None:
-            copied.add(_copy_ranks(ids.tolist(), t0, [t.tolist() for t in tops], copy, depth, ranks))
-        seen += T - plen
-        bar.update(T - plen)
+            copied.add(r.copied)
+        seen += len(ids) - plen
+        bar.update(len(ids) - plen)
     bar.close()
     return plain.table(), copied.table() if copied is not None else None
 
@@ -225,7 +263,7 @@ def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
     backbone = backbone or load_backbone(cfg.model, cfg.dtype, cfg.device)
     heads = load_heads(cfg.heads, backbone)
     copy = CopyConfig() if cfg.copy else None
-    acc, copy_acc = rank_tables(backbone, heads, cfg.data, cfg.tokens, cfg.ranks, copy, cfg.copy_depth)
+    acc, copy_acc = rank_tables(backbone, heads, cfg.data, cfg.tokens, cfg.ranks, copy, cfg.copy_depth, cfg.split)
     variants = [("heads", acc, HeadDrafter(heads))]
     if copy_acc is not None:
         variants.append(("copy", copy_acc, HeadDrafter(heads, copy, cfg.copy_depth)))
@@ -255,7 +293,29 @@ def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
         conf.update(copy_tree=[list(p) for p in best["copy"][1]], copy_acceptance=copy_acc)
     atomic_write_json(heads_dir / "config.json", conf)
     atomic_write_json(heads_dir / "calibration.json", report)
+    if cfg.profiles:
+        report["profiles"] = _profiles(cfg, backbone, heads, copy)
     return report
+
+
+def _profiles(cfg: CalibrateConfig, backbone, heads, copy) -> str:
+    """Acceptance per task and entropy bin -> profiles.json, and a frontier plot per profile."""
+    from cadence.latency import load_or_measure
+    from cadence.profiles import measure_profiles, plot_frontiers, save_profiles
+    from cadence.tree_policy import draft_seconds
+
+    profiles = measure_profiles(backbone, heads, cfg.data, cfg.tasks, cfg.bins, cfg.profile_tokens, cfg.ranks,
+                                copy, cfg.copy_depth, cfg.split)
+    path = save_profiles(cfg.heads, profiles, {"data": str(cfg.data), "split": cfg.split,
+                                               "tokens_per_profile": cfg.profile_tokens})
+    latency = load_or_measure(backbone)
+    draft_s = draft_seconds(HeadDrafter(heads), backbone.hidden_size, backbone.device, backbone.dtype)
+    for task, prof in profiles.items():
+        try:
+            plot_frontiers(prof, latency, draft_s, heads.K, copy is not None, path.parent / f"frontier-{task}.png")
+        except ImportError:  # matplotlib is in the bench extra; the profiles are what matters
+            break
+    return str(path)
 
 
 def register(sub) -> None:

@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-    for module in ("cadence.training.command", "cadence.calibrate", "cadence.bench.command"):
+    for module in ("cadence.training.command", "cadence.calibrate", "cadence.bench.command",
+                   "cadence.training.small_heads"):
         importlib.import_module(module).register(sub)
     return parser
 

@@ -79,6 +79,15 @@ class HeadDrafter:
         self.vocab_size = heads.cfg.vocab_size
         self.copy = copy
         self.copy_depth = max(copy_depth, heads.K)  # deepest level a copy may fill
+        self._pinned = None  # (hidden, tokens) set by ``pin`` for the next draft call
+
+    def pin(self, hidden: torch.Tensor, tokens: list[int]) -> None:
+        """One-shot, for schedulers that drafted the top-1 chain themselves to judge it (the
+        confidence scheduler): the next ``draft`` call, if it is for this very ``hidden``
+        tensor and root ``tokens[0]`` on a top-1 chain at T = 0, returns ``tokens`` (cut to
+        the chain) instead of drafting, so the tokens committed are the ones judged. Any
+        next call clears the pin."""
+        self._pinned = (hidden, list(tokens))
 
     def new_index(self) -> NgramIndex | None:
         return NgramIndex(self.copy) if self.copy is not None else None
@@ -91,6 +100,10 @@ class HeadDrafter:
     def draft(self, tree, root, hidden, context, sampling, generator, copies=None) -> Draft:
         if tree.max_depth > self.max_depth(sampling):
             raise ValueError(f"tree depth {tree.max_depth} > {self.max_depth(sampling)} this drafter can fill")
+        pinned, self._pinned = self._pinned, None
+        if (pinned is not None and pinned[0] is hidden and pinned[1][0] == root and sampling.greedy
+                and tree.size <= len(pinned[1]) and all(set(p) == {0} for p in tree.paths)):
+            return Draft(tokens=torch.tensor(pinned[1][:tree.size], dtype=torch.long, device=hidden.device), q=None)
         n = tree.size
         device = hidden.device
         tokens = [root] + [0] * (n - 1)

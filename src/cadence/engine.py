@@ -57,6 +57,12 @@ class GenerationConfig:
     rule: Rule = field(default=Rule.AUTO, metadata={
         "help": "verification rule: auto = greedy at T=0, speculative sampling otherwise (both "
                 "lossless); greedy needs T=0; typical is lossy"})
+    drift: float = field(default=1.0, metadata={
+        "help": "--rule relaxed (LOSSY): budget DELTA, in nats, on the cumulative log-probability gap "
+                "log p(argmax) - log p(draft) along an accepted chain; 0 = greedy exactly"})
+    top_m: int = field(default=3, metadata={
+        "help": "--rule relaxed (LOSSY): a draft is accepted only if it is within the backbone's top-M "
+                "at its parent (and the chain stays within --drift)"})
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -229,7 +235,7 @@ class Request:
         self.stats.forwards += 1
         logits = out.logits[0]
         rule = self.rule if plan.verify else unverified
-        verdict = rule(tree, tokens, logits, VerifyContext(self.sampling, q, self.generator))
+        verdict = rule(tree, tokens, logits, VerifyContext(self.sampling, q, self.generator, drift=self.cfg.drift, top_m=self.cfg.top_m))
         self.cache.compact(self.past, verdict.path)
         self.past += len(verdict.path)
         self.hidden, self.root_logits = out.hidden[0, verdict.path[-1]], logits[verdict.path[-1]]

@@ -66,15 +66,22 @@ def grow_tree(acceptance: list[list[float]], budget: int) -> list[Path]:
     return sorted(chosen, key=lambda p: (len(p), p))
 
 
-def expected_tau(paths: list[Path], acceptance: list[list[float]]) -> float:
-    """1 + sum of node values (product of acceptance along each path)."""
-    total = 1.0
+def node_values(paths: list[Path], acceptance: list[list[float]]) -> list[float]:
+    """Each node's chance of being on the accepted path: the product of ``acceptance``
+    along its path (0 for ranks or depths the table does not cover). Example: table
+    [[0.6, 0.3], [0.5, 0.2]], paths [(0,), (0, 1)] -> [0.6, 0.12]."""
+    out = []
     for p in paths:
         v = 1.0
         for k, i in enumerate(p):
             v *= acceptance[k][i] if k < len(acceptance) and i < len(acceptance[k]) else 0.0
-        total += v
-    return total
+        out.append(v)
+    return out
+
+
+def expected_tau(paths: list[Path], acceptance: list[list[float]]) -> float:
+    """1 + sum of node values (product of acceptance along each path)."""
+    return 1.0 + sum(node_values(paths, acceptance))
 
 
 def chain(depth: int) -> list[Path]:

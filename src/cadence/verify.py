@@ -8,11 +8,13 @@ Every rule has the signature ``rule(tree, tokens, logits, ctx) -> Verdict``:
 
 The verdict names the accepted nodes (root first) and the bonus token: the
 backbone's own token after the last accepted node, which roots the next step.
-Lossless: ``greedy`` (T = 0) and ``speculative`` (T > 0). Lossy, opt-in: ``typical``.
+Lossless: ``greedy`` (T = 0) and ``speculative`` (T > 0). Lossy, opt-in: ``typical`` and
+``relaxed`` (chain-aware, bounded drift; ``relaxed`` with drift 0 is ``greedy``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
@@ -37,6 +39,14 @@ class VerifyContext:
     generator: torch.Generator | None = None  # RNG for acceptance tests and residual draws
     typical_eps: float = 0.09  # typical: hard threshold
     typical_alpha: float = 0.3  # typical: entropy-scaled threshold
+    drift: float = 1.0  # relaxed: budget DELTA on the cumulative log-prob gap of an accepted chain (nats)
+    top_m: int = 3  # relaxed: a draft must be within the backbone's top-M at its parent
+
+    def __post_init__(self):
+        if not isinstance(self.top_m, int) or isinstance(self.top_m, bool) or self.top_m < 1:
+            raise CadenceError(f"--top-m must be an integer >= 1, got {self.top_m!r}")
+        if not (self.drift >= 0 and math.isfinite(self.drift)):  # also refuses NaN
+            raise CadenceError(f"--drift must be a finite number >= 0, got {self.drift!r}")
 
 
 def greedy(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx: VerifyContext) -> Verdict:
@@ -132,6 +142,86 @@ def typical(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx:
         path.append(node)
 
 
+def relaxed(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx: VerifyContext) -> Verdict:
+    """Chain-aware relaxed acceptance (LOSSY, opt-in; METHODS.md section 4).
+
+    With ``g(x) = log p_B(argmax) - log p_B(x) >= 0`` the gap of token x at its parent,
+    a draft x_j at depth j is acceptable iff
+      * x_j is the argmax at its parent (gap 0, always acceptable, as in ``greedy``), or
+      * x_j is in the backbone's top-M at its parent (``ctx.top_m``; ties included: fewer
+        than M tokens have a strictly larger logit) and the cumulative gap
+        along the path ``D_j = sum_{i<=j} g(x_i)`` stays ``<= ctx.drift`` (DELTA, nats),
+        with DELTA > 0.
+    A token other than the argmax is never free: even one whose logit ties the argmax's
+    is refused at DELTA = 0, so DELTA = 0 is ``greedy`` exactly, tie-breaking included.
+    The budget bounds the drift of the whole accepted chain, not of one token.
+
+    Among acceptable siblings the one with the **smallest gap** is taken (ties: rank
+    order, i.e. the drafter's order). So the argmax child wins whenever it is drafted
+    (output stays as close to greedy as the tree allows and no budget is spent), and a
+    sub-argmax draft is taken only when no sibling has the backbone's own token.
+
+    Gaps are differences of raw logits (the log-softmax normalizer cancels), so no
+    softmax is computed at T = 0; the top-M test is a ``topk(M)`` per visited parent.
+    They are measured on the backbone's untempered distribution at every temperature,
+    so DELTA means the same thing at T = 0 and T > 0.
+
+    Bonus: the argmax at the last accepted node (T = 0). At T > 0 the same deterministic
+    test is applied to the drafts (which the drafter sampled), a draft must also lie in
+    the support of the backbone's tempered / top-p / top-k filtered distribution, and the
+    bonus is a sample from that distribution at the last accepted node (no residual:
+    nothing corrects for the accepted drafts, so the output distribution is not the
+    backbone's; only the drift bound holds).
+
+    Worked example, M = 3, DELTA = 1.0; a chain root -> 1 -> 2 -> 3 with tokens
+    [r, a, b, c]. At the root the logits rank (x: 2.0, a: 1.6, ...): a is rank 2,
+    g(a) = 0.4, D_1 = 0.4 <= 1 -> accept node 1. At node 1, b is the argmax: g = 0,
+    D_2 = 0.4 -> accept node 2. At node 2 the ranks are (y: 3.0, z: 2.9, c: 2.5): c is
+    in the top-3 but D_3 = 0.4 + 0.5 = 0.9 <= 1 -> accept node 3; path [0, 1, 2, 3], bonus =
+    argmax at node 3. With DELTA = 0.8 the chain stops at node 2 (0.9 > 0.8): path
+    [0, 1, 2], bonus y. With DELTA = 0 it stops at the root (a is not the argmax):
+    path [0], bonus x, exactly ``greedy``.
+    """
+    toks = tokens.tolist()
+    delta, m = float(ctx.drift), int(ctx.top_m)
+    sampling = ctx.sampling
+    if not sampling.greedy and sampling.top_k > 0:
+        m = min(m, sampling.top_k)  # same ranking: the top-k filter keeps the top-min(M, k)
+    node, path, spent = 0, [0], 0.0
+    while True:
+        row = logits[node]
+        kids = tree.children[node]
+        p_t = None if sampling.greedy else probs(row, sampling)
+        nxt, nxt_gap = None, math.inf
+        if kids:
+            best = int(row.argmax())
+            relax = delta > 0 and m > 1
+            if relax:  # the M-th largest logit: x is in the top-M iff its logit reaches it
+                top = row.float().topk(min(m, row.shape[-1])).values
+                best_logit, floor = float(top[0]), float(top[-1])
+            for c in kids:
+                x = toks[c]
+                if x == best:  # free, and nothing beats it (not even a sibling tied with it)
+                    nxt, nxt_gap = c, 0.0
+                    break
+                if not relax:
+                    continue
+                lx = float(row[x])
+                gap = max(best_logit - lx, 0.0)
+                if lx < floor or spent + gap > delta:
+                    continue
+                if p_t is not None and float(p_t[x]) <= 0.0:
+                    continue  # outside the sampling support at T > 0
+                if gap < nxt_gap:
+                    nxt, nxt_gap = c, gap
+        if nxt is None:
+            bonus = int(row.argmax()) if p_t is None else sample(p_t, ctx.generator)
+            return Verdict(path, bonus)
+        node = nxt
+        spent += nxt_gap
+        path.append(node)
+
+
 class Rule(str, Enum):
     """Verification rules selectable by name (CLI ``--rule``)."""
 
@@ -139,6 +229,7 @@ class Rule(str, Enum):
     GREEDY = "greedy"  # T = 0 only
     SPECULATIVE = "speculative"
     TYPICAL = "typical"  # lossy
+    RELAXED = "relaxed"  # lossy: chain-aware, cumulative drift <= --drift within --top-m (drift 0 = greedy)
 
     def __str__(self) -> str:
         return self.value
@@ -146,7 +237,7 @@ class Rule(str, Enum):
     def lossless(self, sampling: SamplingParams) -> bool:
         """Whether this rule reproduces plain decoding under ``sampling`` (byte-identical
         at T = 0, distribution-identical at T > 0)."""
-        if self is Rule.TYPICAL:
+        if self in (Rule.TYPICAL, Rule.RELAXED):
             return False
         return sampling.greedy or self is not Rule.GREEDY
 
@@ -159,4 +250,5 @@ class Rule(str, Enum):
 
 RuleFn = Callable[[CompiledTree, torch.Tensor, torch.Tensor, VerifyContext], Verdict]
 RULES: dict[Rule, RuleFn] = {Rule.AUTO: speculative, Rule.GREEDY: greedy,
-                             Rule.SPECULATIVE: speculative, Rule.TYPICAL: typical}
+                             Rule.SPECULATIVE: speculative, Rule.TYPICAL: typical,
+                             Rule.RELAXED: relaxed}

@@ -5,10 +5,16 @@ Each peer has ``generate(prompt_ids, GenerationConfig) -> Generation`` like ``En
   sampled as configured; no stop strings, no repetition penalty).
 - ``hf-pld``: the same with transformers prompt-lookup decoding (``prompt_lookup_num_tokens=10``).
 - ``llama.cpp``: llama-cpp-python on the GGUF the model was loaded from (the default model's
-  ``smollm2_gguf_path()``), 2 threads. Optional: when ``llama_cpp`` cannot be imported
-  the peer is skipped and the report says so. Its token ids are assumed to match the HF
-  tokenizer's (true for GGUFs converted from the same tokenizer); its output is from the
-  quantized weights, so it is not expected to be identical to cadence's float decoding.
+  ``smollm2_gguf_path()``), 2 threads for decoding and for the prompt, greedy sampler,
+  no repetition penalty, context as long as the model's. Optional: when ``llama_cpp`` cannot
+  be imported the peer is skipped and the report says so, with the build command
+  (``python benchmarks/build_llama_cpp.py``, which derives the CPU flags). It is fed the
+  harness's token ids, i.e. the prompt through the HF tokenizer's chat template exactly as
+  cadence's methods get it, and never re-tokenizes text: llama.cpp's own tokenizer splits
+  some prompts differently (whitespace before digits in 3 of 45 HumanEval/GSM8K/writing
+  prompts), while the ids map to the same vocabulary (same GGUF). Timing covers prefill and
+  decoding, like cadence's. Its output is from the quantized weights (and quantized
+  activations), so it is not expected to be identical to cadence's float decoding.
 
 Peers have no step log; ``hf-generate`` runs one forward per token (tau 1), the others
 report no tau.
@@ -16,6 +22,7 @@ report no tau.
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 
@@ -68,14 +75,27 @@ class HFGenerate:
         return Generation(tokens=tokens, text=text, stats=stats)
 
 
+def _parameters(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 class LlamaCpp:
     """llama-cpp-python on a GGUF file (plain decoding, 2 threads)."""
 
-    def __init__(self, gguf: Path, backbone, n_ctx: int = 4096, threads: int = LLAMA_CPP_THREADS):
+    def __init__(self, gguf: Path, backbone, n_ctx: int | None = None, threads: int = LLAMA_CPP_THREADS):
         import llama_cpp
 
         self.backbone = backbone
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_ctx=n_ctx, verbose=False)
+        n_ctx = n_ctx or int(getattr(backbone, "max_positions", 4096) or 4096)
+        kw = dict(model_path=str(gguf), n_threads=threads, n_ctx=n_ctx, verbose=False)
+        # the prompt's threads too: their default is every core, which would favour llama.cpp's
+        # prefill on a larger machine (older llama-cpp-python versions lack the parameter)
+        if "n_threads_batch" in _parameters(llama_cpp.Llama):
+            kw["n_threads_batch"] = threads
+        self.llm = llama_cpp.Llama(**kw)
         self.eos = {int(self.llm.token_eos())} | set(backbone.eos_token_ids)
 
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generation:
@@ -101,7 +121,9 @@ def llama_cpp_available() -> tuple[bool, str]:
     try:
         import llama_cpp  # noqa: F401
     except Exception as exc:  # ImportError, or a broken native library
-        return False, f"llama.cpp skipped: the llama_cpp package is not importable ({type(exc).__name__})"
+        return False, (f"llama.cpp skipped: the llama_cpp package is not importable ({type(exc).__name__}: "
+                       f"{exc}); it is optional: build it for this CPU with "
+                       "`python benchmarks/build_llama_cpp.py` (see benchmarks/README.md)")
     return True, ""
 
 

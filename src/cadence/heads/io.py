@@ -82,4 +82,5 @@ def load_heads(directory: str | Path, backbone, dtype: torch.dtype | None = None
         raise CadenceError(f"{w_path} is corrupt or does not match its config: {exc}") from exc
     if dtype is not None:
         heads = heads.to(dtype)
+    heads.source_dir = directory  # where calibration files beside the weights live (profiles.json, ...)
     return heads.bind(backbone).eval()

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Build llama-cpp-python from source for the CPU at hand (the `llama.cpp` peer of `cadence bench`).
+
+    python benchmarks/build_llama_cpp.py             # derive flags, build, install into .venv, check
+    python benchmarks/build_llama_cpp.py --dry-run   # only print the derived CMAKE_ARGS
+
+The x86 instruction-set options of ggml are derived from the `flags` line of /proc/cpuinfo,
+with GGML_NATIVE=OFF (a `-march=native` build died with "Illegal instruction" on one of
+these machines, see shared/NOTES.md). Every option is passed explicitly, ON or OFF, so the
+build never depends on ggml's defaults. The package comes from PyPI as a source
+distribution (`--no-binary llama-cpp-python`); nothing else is downloaded besides its
+build and run dependencies. llama-cpp-python stays optional: no extra of cadence installs it.
+
+On a non-x86 CPU no instruction-set options are passed (ggml's defaults apply), still with
+GGML_NATIVE=OFF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VERSION = "0.3.36"  # the version that builds here (the only one on the index used here)
+ROOT = Path(__file__).resolve().parents[1]
+
+# ggml CMake option -> /proc/cpuinfo flags that must all be present (ggml's
+# ggml-cpu/CMakeLists.txt turns each option into the -m flags listed in the comment).
+X86_OPTIONS: list[tuple[str, tuple[str, ...]]] = [
+    ("GGML_SSE42", ("sse4_2",)),                     # -msse4.2
+    ("GGML_AVX", ("avx",)),                          # -mavx
+    ("GGML_AVX2", ("avx2",)),                        # -mavx2
+    ("GGML_BMI2", ("bmi2",)),                        # -mbmi2
+    ("GGML_FMA", ("fma",)),                          # -mfma
+    ("GGML_F16C", ("f16c",)),                        # -mf16c
+    ("GGML_AVX_VNNI", ("avx_vnni",)),                # -mavxvnni
+    # GGML_AVX512 compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+    ("GGML_AVX512_VBMI", ("avx512f", "avx512vbmi")),  # -mavx512vbmi
+    ("GGML_AVX512_VNNI", ("avx512f", "avx512_vnni")),  # -mavx512vnni
+    ("GGML_AVX512_BF16", ("avx512f", "avx512_bf16")),  # -mavx512bf16
+    ("GGML_AMX_TILE", ("amx_tile",)),                # -mamx-tile
+    ("GGML_AMX_INT8", ("amx_tile", "amx_int8")),     # -mamx-int8
+    ("GGML_AMX_BF16", ("amx_tile", "amx_bf16")),     # -mamx-bf16
+]
+
+# Not instruction sets: skip the multimodal (mtmd/llava) library, which cadence never
+# uses (llama_cpp imports it lazily), to save build time.
+EXTRA_ARGS = ["-DLLAVA_BUILD=OFF"]
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (the first `flags` line of /proc/cpuinfo), or an empty set."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def cpu_model(path: str = "/proc/cpuinfo") -> str:
+    try:
+        for line in Path(path).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def derive_cmake_args(flags: set[str], x86: bool = True) -> list[str]:
+    """-D options for ggml: GGML_NATIVE=OFF plus each x86 option ON iff the CPU has its flags."""
+    args = ["-DGGML_NATIVE=OFF"]
+    if x86:
+        for option, needs in X86_OPTIONS:
+            on = all(f in flags for f in needs)
+            args.append(f"-D{option}={'ON' if on else 'OFF'}")
+    return args + EXTRA_ARGS
+
+
+def venv_python() -> str:
+    candidate = ROOT / ".venv" / "bin" / "python"
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+CHECK = (
+    "import llama_cpp, ctypes\n"
+    "print('llama_cpp', llama_cpp.__version__)\n"
+    "info = llama_cpp.llama_print_system_info()\n"
+    "print((info.decode() if isinstance(info, bytes) else str(info)).strip())\n"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="print the derived CMAKE_ARGS and exit")
+    ap.add_argument("--python", default=venv_python(), help="interpreter to install into (default: the project's .venv)")
+    ap.add_argument("--version", default=VERSION, help=f"llama-cpp-python version (default {VERSION})")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs (default: all cores)")
+    args = ap.parse_args(argv)
+
+    flags = cpu_flags()
+    x86 = is_x86()
+    cmake_args = derive_cmake_args(flags, x86)
+    user_args = os.environ.get("CMAKE_ARGS", "").strip()
+    cmake = " ".join(cmake_args + ([user_args] if user_args else []))  # the user's come last and win
+    print(f"CPU: {cpu_model()} ({platform.machine()}, {os.cpu_count()} logical cores)")
+    if x86 and not flags:
+        print("warning: no flags line in /proc/cpuinfo; every x86 option is OFF", file=sys.stderr)
+    print(f"CMAKE_ARGS={shlex.quote(cmake)}")
+    if args.dry_run:
+        return 0
+
+    env = dict(os.environ, CMAKE_ARGS=cmake, CMAKE_BUILD_PARALLEL_LEVEL=str(args.jobs), FORCE_CMAKE="1")
+    cmd = [args.python, "-m", "pip", "install", "--no-binary", "llama-cpp-python", "--no-cache-dir",
+           "--force-reinstall", "--no-deps", f"llama-cpp-python=={args.version}"]
+    deps = [args.python, "-m", "pip", "install", f"llama-cpp-python=={args.version}"]
+    print("+", shlex.join(cmd), flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd, env=env)
+    build_s = time.perf_counter() - t0
+    if rc != 0:
+        print(f"build failed (exit {rc}) after {build_s:.0f} s", file=sys.stderr)
+        return rc
+    print(f"built and installed in {build_s:.0f} s ({build_s / 60:.1f} min)", flush=True)
+    # run-time dependencies (numpy, typing-extensions, diskcache, jinja2); the wheel is already in place
+    rc = subprocess.call(deps, env=env)
+    if rc != 0:
+        return rc
+    check = subprocess.run([args.python, "-c", CHECK], capture_output=True, text=True)
+    if check.returncode != 0:
+        why = " (SIGILL: an instruction this CPU lacks; check the flags above)" if check.returncode == -4 else ""
+        print(f"import check failed, exit {check.returncode}{why}\n{check.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    print(check.stdout.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
