@@ -21,9 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/cadence generate --method hydra --max-new-tokens 128 \
-		--prompt "Write a Python function that returns the n-th Fibonacci number, with a docstring."
-	$(BIN)/cadence generate --method vanilla --max-new-tokens 128 \
+	$(BIN)/cadence generate --method hydra --max-new-tokens 128 --compare \
 		--prompt "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 
 test: setup

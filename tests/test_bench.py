@@ -156,6 +156,21 @@ def test_method_names_with_trees_and_nocopy():
     e = parse_method("Hydra", cfg)
     assert e.label == "hydra" and e.spec.tree == "auto" and e.spec.copy is True
     for bad, msg in [("hydra/fast", "only option is /nocopy"), ("vanilla/nocopy", "vanilla takes no"),
-                     ("hf-pld/nocopy", "takes no tree or option")]:
+                     ("hf-pld/nocopy", "takes no tree, scheduler or option")]:
         with pytest.raises(CadenceError, match=msg):
+            parse_method(bad, cfg)
+
+
+def test_method_names_take_a_scheduler():
+    from cadence.bench.runner import BenchConfig, parse_method
+    from cadence.errors import CadenceError
+
+    cfg = BenchConfig()
+    e = parse_method("hydra:auto-8+entmtp/nocopy", cfg)
+    assert (e.label, e.spec.tree, e.spec.scheduler, e.spec.copy, e.lossless) == (
+        "hydra:auto-8+entmtp/nocopy", "auto-8", "entmtp", False, True)
+    assert parse_method("mtp+adaptive-k", cfg).spec.scheduler == "adaptive-k"
+    assert parse_method("hydra", cfg).spec.scheduler == "auto"
+    for bad in ("hydra+bogus", "vanilla+entmtp", "hf-pld+entmtp"):
+        with pytest.raises(CadenceError):
             parse_method(bad, cfg)

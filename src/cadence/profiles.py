@@ -65,7 +65,8 @@ def measure_profiles(backbone, heads, data_dir: str | Path, tasks: list[str], bi
                      tokens: int = 12000, ranks: int = 10, copy: CopyConfig | None = CopyConfig(),
                      copy_depth: int = 8, split: str = "val") -> dict[str, Profile]:
     """Profiles for ``tasks`` (``general`` and/or keys of ``TASK_SOURCES``), each from up to
-    ``tokens`` reply tokens of its sources; bin edges are quantiles of that task's entropies."""
+    ``tokens`` reply tokens of its sources; bin edges are quantiles of that task's entropies.
+    A task whose source has no sequences in the data is left out (``general`` never is)."""
     from cadence.calibrate import _RankHistogram, sequence_ranks
 
     depth = max(copy_depth, heads.K)
@@ -89,8 +90,10 @@ def measure_profiles(backbone, heads, data_dir: str | Path, tasks: list[str], bi
     bar.close()
     out = {}
     for t, seqs in got.items():
+        if not seqs and t != "general":
+            continue
         if not seqs:
-            raise CadenceError(f"no {split} sequences for task {t!r} in {data_dir}")
+            raise CadenceError(f"no {split} sequences in {data_dir}")
         ent = torch.cat([r.entropy for r in seqs])
         edges = torch.quantile(ent, torch.linspace(0, 1, bins + 1)[1:-1]).tolist()
         plain = [_RankHistogram(heads.K, ranks) for _ in range(bins)]

@@ -89,30 +89,41 @@ class MethodEntry:
 
     @property
     def lossless(self) -> bool:
-        return self.kind == "engine"
+        """Engine methods are lossless unless their scheduler is a lossy (opt-in) one."""
+        if self.kind != "engine":
+            return False
+        from cadence.schedulers import registry
+        scheduler = self.spec.scheduler if self.spec is not None else "auto"
+        return scheduler == "auto" or not registry.entry(scheduler).lossy
 
 
 def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
-    """'vanilla' | 'hydra' | 'hydra:tree-16' | 'hydra/nocopy' | 'hf-generate' | 'hf-pld' | 'llama.cpp'.
+    """'vanilla' | 'hydra' | 'hydra:tree-16' | 'hydra+entmtp' | 'hydra:chain+static/nocopy' |
+    'hf-generate' | 'hf-pld' | 'llama.cpp'.
 
-    A head method drafts with context copy (greedy) unless it ends in '/nocopy'."""
+    head[:tree][+scheduler][/nocopy]: a head method drafts with context copy (greedy) unless
+    it ends in '/nocopy'; '+NAME' picks the scheduler (default: auto, see MethodSpec)."""
     text, _, flag = text.strip().partition("/")
     if flag not in ("", "nocopy"):
         raise CadenceError(f"unknown method option /{flag} in {text}/{flag!r}; the only option is /nocopy")
+    text, _, scheduler = text.partition("+")
+    if scheduler:
+        from cadence.schedulers import registry
+        registry.entry(scheduler)  # an unknown name fails here, before any model is loaded
     name, _, tree = text.partition(":")
     name = name.lower()
     if name in ("llama-cpp", "llamacpp", "llama_cpp"):
         name = "llama.cpp"
     if name in PEERS:
-        if tree or flag:
-            raise CadenceError(f"peer {name} takes no tree or option ({text!r})")
+        if tree or flag or scheduler:
+            raise CadenceError(f"peer {name} takes no tree, scheduler or option ({text!r})")
         return MethodEntry(name, "peer")
     if name not in ENGINE_METHODS:
         raise CadenceError(f"unknown method {text!r}; choose from {', '.join(ENGINE_METHODS + PEERS)} "
                            "(head methods may name a tree, e.g. hydra:tree-16)")
     if name == "vanilla":
-        if tree or flag:
-            raise CadenceError("vanilla takes no tree or option")
+        if tree or flag or scheduler:
+            raise CadenceError("vanilla takes no tree, scheduler or option")
         return MethodEntry("vanilla", "engine", MethodSpec(method=Method.VANILLA))
     heads = cfg.heads
     if cfg.heads_dir:
@@ -123,8 +134,9 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
     elif heads not in ("default", "random") and not Path(heads).is_dir():
         raise CadenceError(f"heads directory {heads} does not exist")
     spec = MethodSpec(method=Method(name), heads=heads, tree=tree or "auto",
-                      num_heads=cfg.num_heads, heads_seed=cfg.heads_seed, copy=not flag)
-    label = (f"{name}:{tree}" if tree else name) + (f"/{flag}" if flag else "")
+                      num_heads=cfg.num_heads, heads_seed=cfg.heads_seed, copy=not flag,
+                      scheduler=scheduler or "auto")
+    label = (f"{name}:{tree}" if tree else name) + (f"+{scheduler}" if scheduler else "") + (f"/{flag}" if flag else "")
     return MethodEntry(label, "engine", spec)
 
 
