@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from cadence.atomic import atomic_write_json
+from cadence.fast.cpu import cpu_flags
 from cadence.machine import cpu_model
 from cadence.scorer import score
 from cadence.trees import compile_tree, grow_tree, prior_acceptance
@@ -62,20 +63,11 @@ class LatencyCurve:
         return self(n) / self(1)
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def machine_key(backbone) -> str:
     """A file-name-safe key for the machine + backbone configuration a curve holds for."""
     dev = backbone.device
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{cpu_model()}|{_cpu_flags()}"
+    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+             else f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}")
     parts = [where, str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, str(dev),
              str(backbone.dtype), type(backbone).__name__, backbone.name,
              str(backbone.hidden_size), str(backbone.vocab_size), str(backbone.config.num_hidden_layers)]
