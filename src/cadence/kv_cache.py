@@ -74,8 +74,3 @@ class HFCache:
 
     def reset(self) -> None:
         self.hf.reset()
-
-
-def new_cache(backbone) -> KVCache:
-    """A fresh, empty cache for ``backbone`` (same as ``backbone.new_cache()``)."""
-    return backbone.new_cache()

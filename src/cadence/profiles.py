@@ -140,6 +140,7 @@ def plot_frontiers(profile: Profile, latency, draft_s: float, num_heads: int, co
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from cadence.tree_policy import step_seconds
     from cadence.trees import expected_tau, grow_tree
 
     tables = profile.copy_tables if copy and profile.copy_tables else profile.tables
@@ -151,7 +152,7 @@ def plot_frontiers(profile: Profile, latency, draft_s: float, num_heads: int, co
         ys = []
         for b in budgets:
             paths = grow_tree(table, b)
-            secs = latency(len(paths) + 1) + draft_s * min(max(map(len, paths), default=0), num_heads)
+            secs = step_seconds(latency, len(paths) + 1, max(map(len, paths), default=0), draft_s, num_heads)
             ys.append(expected_tau(paths, table) / secs * latency(1))
         ax.plot(budgets, ys, marker="o", ms=3, label=f"H in [{lo[i]:.2f}, {hi[i]:.2f})")
     ax.axhline(1.0, color="grey", lw=0.8)

@@ -42,6 +42,14 @@ class Choice:
     speedup: float  # expected tokens/s over the root alone
 
 
+def step_seconds(latency: LatencyCurve, size: int, depth: int, draft_s: float, num_heads: int) -> float:
+    """Expected seconds of one step on a tree of ``size`` nodes (root included) and
+    ``depth`` levels: its verify latency plus one head call per level the heads draft
+    (copy-only levels cost a lookup). Example: 4 nodes at 60 ms, depth 3, 1 ms per head
+    call, K = 2 -> 62 ms."""
+    return latency(size) + draft_s * min(depth, num_heads)
+
+
 def best_tree(table: list[list[float]], latency: LatencyCurve, draft_s: float, num_heads: int,
               max_depth: int, margin: float = 0.05, max_budget: int = MAX_BUDGET) -> Choice:
     """The tree of highest expected tokens/s among greedy growths of 0..max_budget nodes.
@@ -59,7 +67,7 @@ def best_tree(table: list[list[float]], latency: LatencyCurve, draft_s: float, n
         if len(paths) < b:  # the table cannot fill more nodes
             break
         depth = max(map(len, paths))
-        seconds = latency(b + 1) + draft_s * min(depth, num_heads)
+        seconds = step_seconds(latency, b + 1, depth, draft_s, num_heads)
         tau = expected_tau(paths, table)
         speedup = tau / seconds / base
         if speedup > best.speedup and speedup >= 1.0 + margin:
@@ -98,14 +106,15 @@ class TreePolicy:
             self._cache[copying] = self._resolve(copying, self.drafter.max_depth(sampling))
         return self._cache[copying]
 
-    def _table(self, copying: bool):
+    def table(self, copying: bool):
+        """The heads' calibrated acceptance table with or without context copy (None if uncalibrated)."""
         cfg = self.heads.cfg
         return cfg.copy_acceptance if copying else cfg.acceptance
 
     def _resolve(self, copying: bool, max_depth: int) -> CompiledTree:
         suffix = "+copy" if copying else ""
         if self.name == "auto":
-            table = self._table(copying)
+            table = self.table(copying)
             if table is None or self.latency is None:  # uncalibrated heads: the top-1 chain
                 return compile_tree(chain(min(self.heads.K, max_depth)), name=f"chain{suffix}")
             choice = best_tree(table, self.latency, self.draft_s, self.heads.K, max_depth, self.margin)
@@ -115,7 +124,7 @@ class TreePolicy:
             size = self.name[len("auto-"):]
             if not size.isdigit() or int(size) < 1:
                 raise CadenceError(f"bad tree {self.name!r}: auto-N needs a node count N >= 1, e.g. auto-8")
-            table = self._table(copying)
+            table = self.table(copying)
             if table is None:
                 raise CadenceError(f"--tree {self.name} needs the acceptance table of `cadence calibrate` "
                                    f"({'copy_acceptance' if copying else 'acceptance'} in the heads' config.json)")

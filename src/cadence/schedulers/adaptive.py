@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from cadence.schedulers.base import Plan, StepInfo, StepState
 from cadence.schedulers.registry import register
+from cadence.tree_policy import step_seconds
 from cadence.trees import CompiledTree, chain, compile_tree, grow_tree, node_values
 
 
@@ -47,7 +48,7 @@ class Candidate:
         reach = [0.0] * tree.max_depth
         for p, v in zip(tree.paths, values):
             reach[len(p) - 1] += v
-        seconds = latency(tree.size) + draft_s * min(tree.max_depth, num_heads)
+        seconds = step_seconds(latency, tree.size, tree.max_depth, draft_s, num_heads)
         return cls(tree, tuple(min(r, 1.0) for r in reach), seconds)
 
 
@@ -151,7 +152,7 @@ def _tables(ctx, sampling):
     """(acceptance table, deepest level, name suffix) for this request's sampling."""
     policy = ctx.policy
     copying = ctx.drafter.copy is not None and sampling.greedy
-    return policy._table(copying), ctx.drafter.max_depth(sampling), "+copy" if copying else ""
+    return policy.table(copying), ctx.drafter.max_depth(sampling), "+copy" if copying else ""
 
 
 def _builder(make_candidates):
