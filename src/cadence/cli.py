@@ -1,4 +1,4 @@
-"""``cadence`` command line: generate | distill | train | bench.
+"""``cadence`` command line: generate | distill | train | bench | serve.
 
 Every user-facing failure is a CadenceError: printed as ``cadence: error: ...`` with
 exit status 2, never a traceback.
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     for module in ("cadence.training.command", "cadence.calibrate", "cadence.bench.command",
-                   "cadence.training.small_heads"):
+                   "cadence.training.small_heads", "cadence.server.command", "cadence.export"):
         importlib.import_module(module).register(sub)
     return parser
 

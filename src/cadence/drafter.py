@@ -7,11 +7,22 @@ draws from the head's distribution q (the same sampling parameters as the backbo
 and q is returned so that verification can be lossless. With context copy (greedy
 only) a node's candidates start with the token that followed the same n-gram earlier
 in the request, and levels deeper than K are filled by copies alone.
+
+Per-request state (attention-bearing heads, ``heads.attends``): such heads attend over the
+request's context through their own KV cache, so a request holds a ``DraftState``
+(``new_state()``; None for per-position heads) and reports every committed token's backbone
+state with ``commit(state, hidden, tokens)``: once for the prompt after prefill, then after
+each verification for the accepted path (root first). The state keeps only entries built
+from committed tokens and the backbone's *true* states; a draft's tree entries (built from
+predicted features) are scratch and are dropped when the draft returns, so the head cache
+is compacted to the accepted path by construction: the next draft extends it with the
+accepted tokens' true states (EAGLE's rule). ``draft(..., state=None)`` still works for
+every head: attention heads then see only h_t and the draft path (no earlier context).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -19,6 +30,16 @@ import torch
 from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.sampling import SamplingParams, categorical, probs
 from cadence.trees import CompiledTree, compile_tree
+
+
+@dataclass
+class DraftState:
+    """One request's drafter state (attention heads): backbone states not yet consumed by the
+    heads' cache, and the cache itself (``heads.new_cache()``, made at the first draft)."""
+
+    pending: list = field(default_factory=list)  # (m, d) tensors: h of committed tokens, in order
+    cache: object = None
+    committed: int = 0  # tokens reported through ``commit``
 
 
 @dataclass
@@ -33,10 +54,16 @@ class Drafter(Protocol):
 
     def draft(self, tree: CompiledTree, root: int, hidden: torch.Tensor, context: list[int],
               sampling: SamplingParams, generator: torch.Generator | None,
-              copies: NgramIndex | None = None) -> Draft:
+              copies: NgramIndex | None = None, state: DraftState | None = None) -> Draft:
         """hidden: (d,) backbone state that produced ``root``; context: committed ids;
-        copies: the request's n-gram index (``new_index``), or None for no context copy."""
+        copies: the request's n-gram index (``new_index``), or None for no context copy;
+        state: the request's ``new_state()`` (optional: pass it only when it is not None)."""
         ...
+
+    # Optional (engines call them when present, see ``engine.Request``):
+    # new_state() -> DraftState | None: per-request state, None when the drafter needs none.
+    # commit(state, hidden (n, d), tokens (n,)): tokens were committed, hidden[i] the backbone
+    #     state after tokens[i] (the prompt after prefill; the accepted path after each verify).
 
     def new_index(self) -> NgramIndex | None:
         """Per-request context-copy state, or None when this drafter does not copy."""
@@ -92,12 +119,40 @@ class HeadDrafter:
     def new_index(self) -> NgramIndex | None:
         return NgramIndex(self.copy) if self.copy is not None else None
 
+    def new_state(self) -> DraftState | None:
+        """Per-request state for attention heads; None for per-position heads (nothing to keep)."""
+        return DraftState() if getattr(self.heads, "attends", False) else None
+
+    def commit(self, state: DraftState | None, hidden: torch.Tensor, tokens) -> None:
+        """Record committed tokens and their backbone states hidden (n, d); hidden[i] is the
+        state after tokens[i]. Cheap: the heads' cache is extended lazily at the next draft."""
+        if state is None:
+            return
+        if hidden.shape[0] != len(tokens):
+            raise ValueError(f"commit: {hidden.shape[0]} states for {len(tokens)} tokens")
+        state.pending.append(hidden.detach())
+        state.committed += len(tokens)
+
+    def _begin(self, state: DraftState | None, hidden: torch.Tensor, context, root: int):
+        """Extend the request's head cache to the committed context and start a draft."""
+        seq = list(context) + [root]
+        if state is None:  # no request state: attend over the draft path only
+            return self.heads.begin_draft(self.heads.new_cache(len(context) - 1), hidden[None], seq)
+        if state.committed != len(context):
+            raise ValueError(f"drafter state has {state.committed} committed tokens, the context "
+                             f"{len(context)}: call commit after prefill and after every verification")
+        if state.cache is None:
+            state.cache = self.heads.new_cache(0)
+        pending = torch.cat(state.pending) if state.pending else hidden.new_zeros(0, hidden.shape[-1])
+        state.pending = []
+        return self.heads.begin_draft(state.cache, pending, seq)
+
     def max_depth(self, sampling: SamplingParams) -> int:
         """Deepest tree level this drafter can fill under ``sampling``."""
         return self.copy_depth if self.copy is not None and sampling.greedy else self.num_heads
 
     @torch.inference_mode()
-    def draft(self, tree, root, hidden, context, sampling, generator, copies=None) -> Draft:
+    def draft(self, tree, root, hidden, context, sampling, generator, copies=None, state=None) -> Draft:
         if tree.max_depth > self.max_depth(sampling):
             raise ValueError(f"tree depth {tree.max_depth} > {self.max_depth(sampling)} this drafter can fill")
         pinned, self._pinned = self._pinned, None
@@ -111,6 +166,8 @@ class HeadDrafter:
         copying = copies is not None and sampling.greedy
         if copying:
             copies.sync(list(context) + [root])
+        attends = getattr(self.heads, "attends", False)
+        ctx = self._begin(state, hidden, context, root) if attends else None
         state_of: dict[int, torch.Tensor] = {-1: self.heads.init_state(hidden[None])[0]}
         by_depth: dict[int, list[int]] = {}
         for node in range(n):
@@ -126,7 +183,13 @@ class HeadDrafter:
             if depth < self.num_heads:
                 prev = torch.stack([state_of[tree.parents[i]] for i in nodes])
                 node_tokens = torch.tensor([tokens[i] for i in nodes], device=device)
-                logits, vocab_ids, states = self.heads.draft_step(depth + 1, prev, node_tokens)
+                if attends:
+                    states = self.heads.tree_step(depth + 1, prev, node_tokens, ctx, nodes,
+                                                  [tree.parents[i] for i in nodes])
+                    feats = self.heads.tree_logits_features(depth + 1, states)
+                    logits, vocab_ids = self.heads.draft_logits(feats), self.heads.draft_vocab
+                else:
+                    logits, vocab_ids, states = self.heads.draft_step(depth + 1, prev, node_tokens)
                 for j, node in enumerate(nodes):
                     state_of[node] = states[j]
                 cands, q = self._candidates(logits, vocab_ids, nodes, widths, sampling, generator, q, n)

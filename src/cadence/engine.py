@@ -20,7 +20,8 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
   3. one backbone forward over the N+1 nodes with the tree mask, positions past+depth;
   4. verdict = rule(tree, tokens, logits): accepted nodes (root first) and a bonus;
   5. commit the accepted tokens (cut at EOS, the budget or a stop string), compact the
-     cache to them, root <- bonus, h <- hidden state of the last accepted node;
+     cache to them, hand their hidden states to the drafter's per-request state (if it
+     has one: attention heads), root <- bonus, h <- hidden state of the last accepted node;
      scheduler.observe(step info).
 """
 
@@ -39,7 +40,7 @@ from cadence.sampling import SamplingParams, probs, sample
 from cadence.schedulers.base import Plan, Scheduler, SchedulerFactory, StepInfo, StepState
 from cadence.schedulers.static import StaticScheduler
 from cadence.scorer import score
-from cadence.trees import compile_tree, truncate
+from cadence.trees import CompiledTree, compile_tree, truncate
 from cadence.verify import RULES, Rule, VerifyContext, unverified
 
 
@@ -120,6 +121,18 @@ class Generation:
 ROOT_ONLY = compile_tree([], name="root")
 
 
+@dataclass
+class PendingStep:
+    """A drafted step waiting for its verify forward (``Request.begin_step``)."""
+
+    state: StepState  # what the scheduler saw
+    plan: Plan  # what it planned (tree cut to what can be drafted)
+    tree: CompiledTree  # the tree that runs (unfilled nodes dropped): N+1 nodes
+    tokens: torch.Tensor  # (N+1,) long, node 0 the root
+    q: torch.Tensor | None  # (N+1, V) draft distributions (T > 0), else None
+    t_step: float  # perf_counter() when the step began
+
+
 class Engine:
     """Self-speculative decoding on a frozen backbone; any number of requests in flight.
 
@@ -194,6 +207,9 @@ class Request:
         drafter = engine.drafter
         self.scheduler = engine.new_scheduler(self.sampling) if drafter is not None else None
         self.copies = drafter.new_index() if drafter is not None and self.sampling.greedy else None
+        # per-request drafter state (attention heads' KV cache); drafters without new_state have none
+        new_state = getattr(drafter, "new_state", None)
+        self.draft_state = new_state() if new_state is not None else None
         self.detok = Detokenizer(bb.tokenizer, cfg.stop)
         self.stats = Stats()
         self.tokens: list[int] = []
@@ -222,6 +238,17 @@ class Request:
             return []
         if self.cache is None:
             self._prefill()
+        job = self.begin_step()
+        if not isinstance(job, PendingStep):
+            return job
+        out = score(self.engine.backbone, self.cache, self.past, job.tree, job.tokens)
+        return self.finish_step(job, out.logits[0], out.hidden[0])
+
+    def begin_step(self) -> "PendingStep | list[int]":
+        """Steps 1-2 (see the module docstring): the tree to verify, drafted, as a
+        ``PendingStep``; or, when committing the root alone ends the request (EOS, the last
+        token of the budget), the committed token ids (no forward needed). Batched engines
+        call this, run one forward for many requests, then ``finish_step``."""
         t_step = time.perf_counter()
         remaining = self.cfg.max_new_tokens - len(self.tokens)
         if self.root in self.engine.backbone.eos_token_ids or remaining == 1:
@@ -231,30 +258,52 @@ class Request:
                           new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
         plan = self._plan(state, remaining)
         tree, tokens, q = self._draft(plan.tree)
-        out = score(self.engine.backbone, self.cache, self.past, tree, tokens)
+        return PendingStep(state, plan, tree, tokens, q, t_step)
+
+    def finish_step(self, job: "PendingStep", logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
+        """Steps 4-5 for the verify forward's output over ``job.tree``'s N+1 nodes:
+        logits (N+1, V), hidden (N+1, d) (extra rows, e.g. a batch's padding, are ignored).
+        Verifies, compacts ``self.cache`` to the accepted path, commits; the committed ids."""
         self.stats.forwards += 1
-        logits = out.logits[0]
-        rule = self.rule if plan.verify else unverified
-        verdict = rule(tree, tokens, logits, VerifyContext(self.sampling, q, self.generator, drift=self.cfg.drift, top_m=self.cfg.top_m))
+        tree, tokens = job.tree, job.tokens
+        logits, hidden = logits[:tree.size], hidden[:tree.size]
+        rule = self.rule if job.plan.verify else unverified
+        verdict = rule(tree, tokens, logits, VerifyContext(self.sampling, job.q, self.generator, drift=self.cfg.drift, top_m=self.cfg.top_m))
         self.cache.compact(self.past, verdict.path)
+        if self.draft_state is not None:  # the accepted path's true states, root first
+            self.engine.drafter.commit(self.draft_state, hidden[verdict.path], tokens[verdict.path])
         self.past += len(verdict.path)
-        self.hidden, self.root_logits = out.hidden[0, verdict.path[-1]], logits[verdict.path[-1]]
+        self.hidden, self.root_logits = hidden[verdict.path[-1]], logits[verdict.path[-1]]
         self.root = verdict.bonus
         committed = self._commit(tokens[verdict.path].tolist())
-        self._record(state, plan, tree, len(verdict.path) - 1, time.perf_counter() - t_step)
+        self._record(job.state, job.plan, tree, len(verdict.path) - 1, time.perf_counter() - job.t_step)
         return committed
 
     def _prefill(self) -> None:
         bb = self.engine.backbone
-        self._t0 = time.perf_counter()
+        t0 = time.perf_counter()
         self.cache = bb.new_cache()
         out = bb.forward(torch.tensor([self.prompt_ids], device=bb.device), self.cache, need_logits=False)
-        self.hidden = out.hidden[0, -1]
-        self.root_logits = bb.logits(self.hidden)
+        self.prefilled(out.hidden[0, -1], t0, out.hidden[0])
+
+    def prefilled(self, hidden: torch.Tensor, t0: float, prompt_hidden: torch.Tensor | None = None) -> None:
+        """Bookkeeping after the prompt's forward (``self.cache`` holds the prompt):
+        hidden (d,) is the last prompt position's state; picks the root token. ``t0``:
+        when the request started (its wall time counts from there). prompt_hidden (P, d):
+        every prompt position's state, for a drafter with per-request state (attention
+        heads); without it such heads draft from h_t and the draft path alone (still lossless)."""
+        self._t0 = t0
+        self.hidden = hidden
+        if self.draft_state is not None:
+            if prompt_hidden is None:
+                self.draft_state = None
+            else:
+                self.engine.drafter.commit(self.draft_state, prompt_hidden, self.prompt_ids)
+        self.root_logits = self.engine.backbone.logits(self.hidden)
         self.root = self._pick(self.root_logits)
         self.past = len(self.prompt_ids)
         self.context = list(self.prompt_ids)
-        self.stats.prefill_s = time.perf_counter() - self._t0
+        self.stats.prefill_s = time.perf_counter() - t0
 
     def _pick(self, logits: torch.Tensor) -> int:
         if self.sampling.greedy:
@@ -278,8 +327,9 @@ class Request:
         bb = self.engine.backbone
         if tree.size == 1:
             return tree, torch.tensor([self.root], device=bb.device), None
+        extra = {"state": self.draft_state} if self.draft_state is not None else {}
         draft = self.engine.drafter.draft(tree, self.root, self.hidden, self.context, self.sampling,
-                                          self.generator, self.copies)
+                                          self.generator, self.copies, **extra)
         return draft.tree or tree, draft.tokens, draft.q
 
     def _commit(self, committed: list[int], force_done: bool = False) -> list[int]:

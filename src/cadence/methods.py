@@ -32,6 +32,8 @@ class Method(str, Enum):
     MEDUSA = "medusa"
     HYDRA = "hydra"
     MTP = "mtp"
+    EAGLE = "eagle"  # one decoder layer, feature-level autoregression (attention over the context)
+    MTP_ATTN = "mtp-attn"  # chained MTP modules with attention (DeepSeek-V3 / MiMo)
 
     def __str__(self) -> str:
         return self.value
@@ -41,7 +43,7 @@ class Method(str, Enum):
 class MethodSpec:
     """How to decode; CLI flags derive from these fields."""
 
-    method: Method = field(default=Method.HYDRA, metadata={"help": "vanilla | medusa | hydra | mtp"})
+    method: Method = field(default=Method.HYDRA, metadata={"help": "vanilla | medusa | hydra | mtp | eagle | mtp-attn"})
     heads: str = field(default="default", metadata={"help": "default (shipped for the model) | random | path to a heads directory"})
     tree: str = field(default="auto", metadata={"help": "auto (the tree of highest expected tokens/s from the heads' calibrated acceptance and this machine's measured verify latency; may be the root alone), auto-N (N nodes grown from the calibrated acceptance), or a preset: root, chain, chain-D, tree-N"})
     num_heads: int = field(default=3, metadata={"help": "K for --heads random"})

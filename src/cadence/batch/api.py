@@ -30,11 +30,12 @@ class Event:
     tokens: list[int]  # token ids committed this step (nothing past a stop string)
     text: str  # text that became safe to show this step (see ``cadence.detok``)
     finished: bool = False  # the request is done and has left the engine
-    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length" or "abort"
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort" or "error"
     drafted: int = 0  # draft tokens verified this step (tree nodes without the root)
     accepted: int = 0  # of those, accepted (bonus / root token not counted)
     accepted_at: list[int] = field(default_factory=list)  # 1 per accepted depth: [1, 1] = depths 1 and 2
     stats: Stats | None = None  # the request's statistics, set when finished
+    error: str | None = None  # finish_reason "error": what failed (this request only; the others go on)
 
 
 class MultiEngine(Protocol):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from cadence.backbone import Backbone, ForwardOut
 from cadence.errors import CadenceError
 from cadence.fast import arch, rope
-from cadence.fast.cache import StaticKVCache
+from cadence.fast.cache import BatchKVCache, StaticKVCache
 from cadence.fast.kernels import Linear, resolve_kind
 
 
@@ -142,6 +142,65 @@ class FastBackbone(Backbone):
         return StaticKVCache(s.layers, s.kv_heads, s.head_dim, self.max_positions, self.dtype,
                              self.device, batch=batch, capacity=capacity)
 
+    def new_batch_cache(self, slots: int, capacity: int | None = None) -> BatchKVCache:
+        """A ragged cache of ``slots`` rows for ``forward_rows`` (the batch engine)."""
+        s = self.spec
+        return BatchKVCache(s.layers, s.kv_heads, s.head_dim, self.max_positions, self.dtype,
+                            self.device, slots=slots, capacity=capacity)
+
+    @torch.inference_mode()
+    def forward_rows(self, input_ids: torch.Tensor, cache: BatchKVCache, first: int, starts: list[int],
+                     position_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                     need_logits: bool = True) -> ForwardOut:
+        """One forward over rows ``first .. first + B - 1`` of ``cache``, each at its own offset.
+
+        input_ids: (B, n) new tokens of each row (a row with fewer nodes is padded).
+        starts: B committed lengths; row b's entries are written at [starts[b], starts[b] + n).
+        position_ids: (B, n) absolute positions (default starts[b] + j).
+        attn_mask: (B, 1, n, L) bool, L = max(starts) + n: True where query j of row b may
+        attend key l of its row. None: causal over the new tokens, only when every start is
+        0 (a prefill). Each row's length becomes starts[b] + n; the caller compacts it.
+        Example: starts [5, 3], n = 3 -> row 0 writes keys 5..7, row 1 keys 3..5, both
+        attend keys [0, 8) through the mask (see ``BatchKVCache``).
+        """
+        b, n = input_ids.shape
+        if len(starts) != b or first < 0 or first + b > cache.slots:
+            raise CadenceError(f"rows {first}..{first + b - 1} with {len(starts)} starts do not fit "
+                               f"a cache of {cache.slots} slots")
+        end = max(starts) + n
+        cache.reserve(end)
+        dev = self.device
+        cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)  # (B, n)
+        rows = torch.arange(first, first + b, device=dev)[:, None].expand(b, n)
+        if position_ids is None:
+            position_ids, top = cols, end - 1
+        else:
+            position_ids = position_ids.to(dev)
+            top = int(position_ids.max())
+        cos, sin = self.rope.lookup(position_ids, top)
+        if attn_mask is None:
+            if any(starts):
+                raise CadenceError("forward_rows without a mask is for prefills (every start 0)")
+            mask, causal = None, n > 1
+        else:
+            mask, causal = attn_mask.to(device=dev, dtype=torch.bool), False
+        block = slice(first, first + b)
+
+        def store(i, k, v):  # k, v: (B, kv_heads, n, head_dim) -> row b at [starts[b], starts[b] + n)
+            if b == 1:
+                cache.k[i, first, :, starts[0]:starts[0] + n] = k[0]
+                cache.v[i, first, :, starts[0]:starts[0] + n] = v[0]
+            else:
+                cache.k[i][rows, :, cols] = k.transpose(1, 2)
+                cache.v[i][rows, :, cols] = v.transpose(1, 2)
+            return cache.k[i, block, :, :end], cache.v[i, block, :, :end]
+
+        with torch.autocast(dev.type, enabled=False):
+            hidden = self._layers_forward(input_ids, cos, sin, mask, causal, store)
+            for j, start in enumerate(starts):
+                cache.lengths[first + j] = start + n
+            return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(hidden.to(self.dtype)).float()
 
@@ -181,7 +240,6 @@ class FastBackbone(Backbone):
         return allowed | torch.eye(n, dtype=torch.bool, device=self.device)
 
     def hidden_states(self, input_ids, cache, position_ids, tree_mask, pad=None) -> torch.Tensor:
-        s = self.spec
         b, n = input_ids.shape
         past = cache.length() if cache is not None else 0
         if cache is not None:
@@ -199,6 +257,23 @@ class FastBackbone(Backbone):
         causal = mask is None and tree_mask is None and n > 1  # plain causal over new tokens only
         if pad is not None and not bool(pad.all()):
             mask, causal = self._padded_mask(pad), False
+        store = None
+        if cache is not None:
+            def store(i, k, v):  # append at [past, past + n); attend to [0, past + n)
+                cache.k[i, :, :, past:past + n] = k
+                cache.v[i, :, :, past:past + n] = v
+                return cache.k[i, :, :, :past + n], cache.v[i, :, :, :past + n]
+        x = self._layers_forward(input_ids, cos, sin, mask, causal, store)
+        if cache is not None:
+            cache.advance(n)
+        return x
+
+    def _layers_forward(self, input_ids, cos, sin, mask, causal: bool, store) -> torch.Tensor:
+        """Embedding, decoder layers and final norm -> (b, n, d). ``store(layer, k, v)``
+        (k, v of shape (b, kv_heads, n, head_dim)) writes the new keys/values to a cache and
+        returns the keys/values to attend to; None: attend to the new tokens only."""
+        s = self.spec
+        b, n = input_ids.shape
         H, KV, hd = s.heads, s.kv_heads, s.head_dim
         gqa = H != KV
         x = F.embedding(input_ids.to(self.device), self.embed.weight)
@@ -214,17 +289,12 @@ class FastBackbone(Backbone):
                 q, k = qk[:, :, :H], qk[:, :, H:]
             v = qkv[..., (H + KV) * hd:].view(b, n, KV, hd)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if cache is not None:
-                cache.k[i, :, :, past:past + n] = k
-                cache.v[i, :, :, past:past + n] = v
-                k = cache.k[i, :, :, :past + n]
-                v = cache.v[i, :, :, :past + n]
+            if store is not None:
+                k, v = store(i, k, v)
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
             x = x + layer.o(att.transpose(1, 2).reshape(b, n, H * hd))
             h = _rms(x, layer.ln2, s.eps)
             gu = layer.gate_up(h)
             g, u = gu.chunk(2, dim=-1)
             x = x + layer.down(F.silu(g) * u)
-        if cache is not None:
-            cache.advance(n)
         return _rms(x, self.final_norm, s.eps)

@@ -28,7 +28,7 @@ from torch import nn
 class HeadConfig:
     """Shape and identity of a set of heads; saved as config.json next to the weights."""
 
-    kind: str  # "medusa" | "hydra" | "mtp"
+    kind: str  # "medusa" | "hydra" | "mtp" | "eagle" | "mtp-attn"
     num_heads: int  # K: how many tokens after the backbone's own are drafted
     hidden_size: int  # backbone d_model
     vocab_size: int  # backbone vocabulary
@@ -39,6 +39,12 @@ class HeadConfig:
     acceptance: list | None = None  # a[k][i]: measured P(head k+1's rank-i candidate is right | path right)
     copy_tree: list | None = None  # recommended tree when drafting with context copy (greedy), by `cadence calibrate`
     copy_acceptance: list | None = None  # a[k][i] with the context copy ranked first (rows past K: copy only)
+    # attention-bearing heads (eagle, mtp-attn): the block's shape, taken from the backbone's config
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rope_theta: float = 10000.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,7 +64,17 @@ class ResBlock(nn.Module):
 
 
 class DraftHeads(nn.Module):
-    """Base class: binding to the backbone, logits through the shared LM head."""
+    """Base class: binding to the backbone, logits through the shared LM head.
+
+    ``attends``: False for per-position heads (their drafts depend on h_t and the path only).
+    True for heads with attention over the request's context (eagle, mtp-attn): those draft
+    through ``new_cache`` / ``begin_draft`` / ``tree_step`` with a per-request drafter state
+    (``drafter.HeadDrafter.new_state``), and ``train_features`` takes the packed-row ids ``seg``
+    so that attention stays inside one sequence.
+    """
+
+    attends = False
+    regress_features = False  # True: features are trained towards the backbone's next hidden state
 
     def __init__(self, cfg: HeadConfig):
         super().__init__()
@@ -142,13 +158,19 @@ class DraftHeads(nn.Module):
     def step_features(self, k: int, state, token):
         raise NotImplementedError
 
-    def train_features(self, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Teacher-forced features before the LM head: list over k=1..K of (B, T-1-k, d)."""
+    def train_features(self, hidden: torch.Tensor, ids: torch.Tensor, seg: torch.Tensor | None = None
+                       ) -> list[torch.Tensor]:
+        """Teacher-forced features before the LM head: list over k=1..K of (B, T-1-k, d).
+        seg (B, T): packed-sequence ids (attention heads only; per-position heads ignore it)."""
         raise NotImplementedError
 
     def train_logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced logits: list over k=1..K of (B, T-1-k, vocab); targets ids[:, k+1:]."""
         return [self.lm_logits(f) for f in self.train_features(hidden, ids)]
+
+    def new_cache(self, start: int = 0):
+        """Attention heads: a per-request cache of committed entries from position ``start``."""
+        raise NotImplementedError
 
     def randomize_(self, generator: torch.Generator | None = None, scale: float = 1.0) -> "DraftHeads":
         """Re-initialise every weight randomly (for ``--heads random``: drafts that rarely match)."""

@@ -12,18 +12,36 @@ from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 from cadence.heads.base import DraftHeads, HeadConfig
 
-KINDS = ("medusa", "hydra", "mtp")
+KINDS = ("medusa", "hydra", "mtp", "eagle", "mtp-attn")
+ATTENTION_KINDS = ("eagle", "mtp-attn")  # heads with their own KV cache over the request's context
 
 
 def head_class(kind: str) -> type[DraftHeads]:
     from cadence.heads.hydra import HydraHeads
     from cadence.heads.medusa import MedusaHeads
+    from cadence.heads.eagle import EagleHeads
     from cadence.heads.mtp import MTPHeads
+    from cadence.heads.mtp_attn import MTPAttnHeads
 
-    table = {"medusa": MedusaHeads, "hydra": HydraHeads, "mtp": MTPHeads}
+    table = {"medusa": MedusaHeads, "hydra": HydraHeads, "mtp": MTPHeads, "eagle": EagleHeads,
+             "mtp-attn": MTPAttnHeads}
     if kind not in table:
         raise CadenceError(f"unknown head type {kind!r}; choose one of {', '.join(KINDS)}")
     return table[kind]
+
+
+def attention_shape(backbone) -> dict:
+    """The attention block shape of ``backbone``'s own layers (HeadConfig fields): eagle and
+    mtp-attn blocks copy it, so an exported EAGLE layer is a layer of the backbone's kind."""
+    c = backbone.config
+    heads = int(c.num_attention_heads)
+    rope = getattr(c, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+    return {"num_attention_heads": heads,
+            "num_key_value_heads": int(getattr(c, "num_key_value_heads", None) or heads),
+            "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+            "intermediate_size": int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size),
+            "rope_theta": float(theta), "rms_eps": float(getattr(c, "rms_norm_eps", 1e-5))}
 
 
 def new_heads(kind: str, backbone, num_heads: int = 3, random: bool = False, seed: int = 0,
@@ -31,6 +49,8 @@ def new_heads(kind: str, backbone, num_heads: int = 3, random: bool = False, see
     """Fresh heads for ``backbone``; ``random=True`` gives random weights (drafts rarely accepted)."""
     if num_heads < 1:
         raise CadenceError("need at least one head")
+    if kind in ATTENTION_KINDS:
+        extra = {**attention_shape(backbone), **extra}
     cfg = HeadConfig(kind=kind, num_heads=num_heads, hidden_size=backbone.hidden_size,
                      vocab_size=backbone.vocab_size, backbone=backbone.name, **extra)
     heads = head_class(kind)(cfg)

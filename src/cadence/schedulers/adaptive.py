@@ -19,6 +19,13 @@ after ``explore_every`` such steps the cheapest tree is tried once so that a req
 whose text becomes predictable again gets speculation back (the interval doubles, up to
 64, while tries fail).
 
+A request starts cautiously: until one of its drafts has been accepted, only the root
+and the cheapest tree are candidates. The table is an average over requests, and a
+request the heads cannot predict (a translation: every draft misses) would otherwise pay
+for the table's favourite, a tree of several nodes, for the few steps it takes the
+factors to fall; a miss of the cheapest tree costs a fraction of that. One accepted
+draft opens the whole frontier.
+
 Worked example: candidates root (40 ms) and a 1-draft chain (44 ms) with reach [0.7]:
 expected 1.7 / 44 ms vs 1 / 40 ms -> the chain. If the drafts of this request are
 accepted 10% of the time, f_1 -> 0.1 / 0.7 and the chain's value -> 1.1 / 44 ms < 1 / 40
@@ -98,6 +105,7 @@ class AdaptiveScheduler:
         self.base_explore, self.max_explore = explore_every, max_explore_every
         self.root_streak = 0
         self.exploring = False
+        self.proven = False  # a draft of this request has been accepted: every candidate is open
         self.last: Candidate | None = None
 
     def factors(self) -> list[float]:
@@ -117,7 +125,7 @@ class AdaptiveScheduler:
         f = self.factors()
         root = self.cands[0]
         best, best_v = root, self.value(root, f) * (1.0 + self.margin)
-        for c in self.cands[1:]:
+        for c in (self.cands[1:] if self.proven else self.cands[1:2]):
             v = self.value(c, f)
             if v > best_v:
                 best, best_v = c, v
@@ -135,6 +143,7 @@ class AdaptiveScheduler:
         c = self.last
         if c is None or not c.reach:
             return
+        self.proven = self.proven or info.accepted > 0
         if self.exploring:  # back off while tries keep failing: 8, 16, 32, ... root steps
             self.explore_every = (self.base_explore if info.accepted else
                                   min(2 * self.explore_every, self.max_explore))

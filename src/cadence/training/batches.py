@@ -96,13 +96,15 @@ class Segment:
     length: int
 
 
-def segments(corpus: Corpus, num_heads: int, max_len: int) -> list[Segment]:
-    """The trained part of every sequence that has a reply (see the module docstring)."""
+def segments(corpus: Corpus, num_heads: int, max_len: int, whole: bool = False) -> list[Segment]:
+    """The trained part of every sequence that has a reply (see the module docstring).
+    ``whole``: start at token 0 instead (heads that attend over the context, which then
+    sees the whole prompt, as it does when decoding)."""
     out = []
     for i, s in enumerate(corpus.seqs):
         if s.length <= s.plen:
             continue
-        start = max(0, s.plen - 1 - num_heads)
+        start = 0 if whole else max(0, s.plen - 1 - num_heads)
         end = min(s.length, start + max_len)
         if end <= s.plen:
             continue

@@ -353,7 +353,9 @@ class LossSpec:
     teacher: str = "full"  # kl teacher: full | topk
     lam: float = 0.8  # head k weighted lam^(k-1)
     chunk: int = 1024  # positions per LM-head chunk
-    vocab_map: torch.Tensor | None = None  # (V,) full id -> draft-vocabulary column, -1 outside (ce only)
+    # (V,) full id -> draft-vocabulary column, -1 outside. ce: targets outside are skipped; kl (teacher
+    # full): ``lm`` is then the draft rows of the LM head, so the teacher is p_B renormalised over them
+    vocab_map: torch.Tensor | None = None
 
 
 def head_masks(batch: Batch, k: int, adamtp: bool) -> torch.Tensor:
@@ -418,6 +420,22 @@ def head_losses(lm, feats: list[torch.Tensor], batch: Batch, spec: LossSpec
         means.append(float(mean.detach()))
         total = total + weights[k - 1] * mean
     return total, means, counts
+
+
+def feature_regression(feats: list[torch.Tensor], batch: Batch, lam: float = 0.8) -> torch.Tensor:
+    """EAGLE's feature loss: sum_k lam^(k-1) * mean smooth-L1(f_k[t], h[t+k]) over head k's
+    training positions (``valid_mask``). f_k[t] stands for the backbone state after x_{t+k}
+    (depth k's features feed depth k+1 in place of that state). Example: k = 1, t = 0 compares
+    f_1[0] with hidden[:, 1]."""
+    total = feats[0].float().sum() * 0.0
+    T = batch.ids.shape[-1]
+    for k, f in enumerate(feats, start=1):
+        mask = valid_mask(batch.seg, batch.reply, k)
+        if not bool(mask.any()):
+            continue
+        target = batch.hidden[:, k:T - 1][mask].float()
+        total = total + lam ** (k - 1) * F.smooth_l1_loss(f[mask].float(), target)
+    return total
 
 
 # --------------------------------------------------------------------------- evaluation

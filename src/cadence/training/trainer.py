@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
-from cadence.heads.io import KINDS, new_heads, save_heads
+from cadence.heads.io import ATTENTION_KINDS, KINDS, new_heads, save_heads
 from cadence.training import losses as L
 from cadence.training.batches import Corpus, RowDataset, collate, pack, segments, to_batch
 from cadence.training.data import load_manifest
@@ -50,11 +50,12 @@ CKPT_FORMAT = 1
 class TrainConfig:
     """Settings of one head-training run; CLI flags derive from these fields."""
 
-    data: str = field(default="data/distill-smollm2", metadata={
-        "help": "distilled data directory (manifest.json + shards); only shards in its manifest are read"})
+    data: str = field(default="data/selfdistill/smollm2", metadata={
+        "help": "distilled data directory (manifest.json + shards); only shards in its manifest are read. "
+                "Default: the self-distilled store, which beat reference replies (docs/ablations.md)"})
     out: str = field(default="runs/train", metadata={
         "help": "output directory: checkpoint.pt, train_log.jsonl, summary.json, heads/"})
-    kind: str = field(default="hydra", metadata={"help": "head type: medusa | hydra | mtp"})
+    kind: str = field(default="hydra", metadata={"help": "head type: medusa | hydra | mtp | eagle | mtp-attn"})
     num_heads: int = field(default=3, metadata={
         "help": "K, heads drafting tokens 2..K+1 after the backbone's own"})
     loss: str = field(default="ce", metadata={"help": "ce | kl | ce+adamtp | kl+adamtp"})
@@ -78,6 +79,9 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     grad_clip: float = field(default=1.0, metadata={"help": "max gradient norm (0 = off)"})
     bf16: bool = field(default=False, metadata={"help": "bf16 autocast for heads and loss (mixed precision)"})
+    feature_loss: float = field(default=0.0, metadata={
+        "help": "eagle: weight of the feature regression (smooth L1 of depth-k features to the backbone's "
+                "hidden state at t+k, EAGLE's second loss); 0 = token cross-entropy only"})
     loss_chunk: int = field(default=1024, metadata={
         "help": "positions per LM-head chunk in the loss (bounds logits memory)"})
     eval_every: int = field(default=200, metadata={
@@ -99,6 +103,11 @@ class TrainConfig:
     draft_vocab: int = field(default=0, metadata={
         "help": "train (ce) and draft over the N most frequent "
                 "reply tokens of the data; 0 = full vocabulary"})
+    draft_vocab_from: str = field(default="", metadata={
+        "help": "data directory whose training shards pick the draft vocabulary (default: --data); "
+                "lets runs on different data share one vocabulary"})
+    eval_target: str = field(default="auto", metadata={
+        "help": "held-out target: auto (the ce target) | token (the data token) | backbone (backbone argmax)"})
     seed: int = field(default=0, metadata={"help": "data order and head initialisation"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     model: str = field(default="smollm2", metadata={"help": "backbone (frozen)"})
@@ -109,15 +118,13 @@ class TrainConfig:
 
 # Fields that may change between a run and its resumption.
 _RESUMABLE = ("out", "eval_every", "eval_rows", "save_every", "log_every", "stop_after", "resume",
-              "progress", "device", "cache_hidden", "cache_only")
+              "progress", "device", "cache_hidden", "cache_only", "eval_target")
 
 
 def _setup_draft_vocab(cfg: TrainConfig, heads, backbone, data_dir: Path, train_files: list[str]) -> torch.Tensor:
     """Pick the draft vocabulary from the training shards; return the id -> column map."""
     from cadence.training.draft_vocab import frequent_tokens, reply_token_counts
 
-    if not L.parse_loss(cfg.loss)[0] == "ce":
-        raise CadenceError("--draft-vocab works with the ce loss only")
     counts = reply_token_counts(data_dir, backbone.vocab_size, files=train_files)
     ids, coverage = frequent_tokens(counts, cfg.draft_vocab, always=backbone.eos_token_ids)
     heads.set_draft_vocab(ids)
@@ -131,6 +138,8 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
     d = asdict(cfg)
     for k in _RESUMABLE:
         d.pop(k)
+    if not d["draft_vocab_from"]:  # added later: checkpoints made before it stay resumable
+        d.pop("draft_vocab_from")
     d["uses_cache"] = bool(cfg.cache_hidden)
     d["world_size"] = world_size
     d["data"] = str(Path(cfg.data).resolve())
@@ -143,6 +152,8 @@ def validate(cfg: TrainConfig) -> None:
     L.parse_loss(cfg.loss)
     if cfg.target not in L.TARGETS:
         raise CadenceError(f"unknown target {cfg.target!r}; choose one of {', '.join(L.TARGETS)}")
+    if cfg.eval_target not in ("auto",) + L.TARGETS:
+        raise CadenceError(f"unknown eval target {cfg.eval_target!r}; choose auto, {', '.join(L.TARGETS)}")
     if cfg.teacher not in L.TEACHERS:
         raise CadenceError(f"unknown KL teacher {cfg.teacher!r}; choose one of {', '.join(L.TEACHERS)}")
     for name in ("num_heads", "steps", "batch_size", "grad_accum", "loss_chunk", "adamtp_window",
@@ -156,6 +167,9 @@ def validate(cfg: TrainConfig) -> None:
         raise CadenceError("--max-len is too short for this many heads")
     if cfg.lr <= 0:
         raise CadenceError("--lr must be positive")
+    if cfg.draft_vocab and L.parse_loss(cfg.loss)[0] == "kl" and cfg.teacher != "full":
+        raise CadenceError("--draft-vocab works with the ce loss and with kl --teacher full "
+                           "(the teacher renormalised over the draft vocabulary)")
     if cfg.cache_only and not cfg.cache_hidden:
         raise CadenceError("--cache-only needs --cache-hidden DIR")
 
@@ -167,7 +181,10 @@ class _Trainable(nn.Module):
         super().__init__()
         self.heads = heads
 
-    def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, seg: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
+        if getattr(self.heads, "attends", False):  # attention stays inside each packed sequence
+            return self.heads.train_features(hidden, ids, seg)
         return self.heads.train_features(hidden, ids)
 
 
@@ -226,144 +243,225 @@ def _shard_lists(manifest: dict) -> dict[str, list[str]]:
 
 def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
     """Train (or resume training) heads as ``cfg`` says; see the module docstring."""
+    from cadence.training.heap import bound_heap
+
+    bound_heap()  # the C heap otherwise grows every step (see cadence.training.heap)
     validate(cfg)
+    run = _Run(cfg, backbone, accelerator)
+    if run.cached_only:
+        return TrainResult("cached", 0, {"cache": str(cfg.cache_hidden), "shards": len(run.files)}, None)
+    status = run.loop()
+    return run.finish(status)
+
+
+def _make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.state import AcceleratorState, PartialState
 
-    if accelerator is None:
-        from accelerate.state import AcceleratorState, PartialState
+    if AcceleratorState._shared_state and PartialState().num_processes == 1:
+        # a second run in one process (tests, notebooks) may use another mixed precision
+        AcceleratorState._reset_state()
+    return Accelerator(cpu=cfg.device == "cpu", mixed_precision="bf16" if cfg.bf16 else "no",
+                       gradient_accumulation_steps=cfg.grad_accum)
 
-        if AcceleratorState._shared_state and PartialState().num_processes == 1:
-            # a second run in one process (tests, notebooks) may use another mixed precision
-            AcceleratorState._reset_state()
-        accelerator = Accelerator(cpu=cfg.device == "cpu", mixed_precision="bf16" if cfg.bf16 else "no",
-                                  gradient_accumulation_steps=cfg.grad_accum)
-    main = accelerator.is_main_process
-    world = accelerator.num_processes
-    out = Path(cfg.out)
-    data_dir = Path(cfg.data)
-    manifest = load_manifest(data_dir)
-    if manifest is None:
-        raise CadenceError(f"{data_dir} has no manifest.json (make one with `cadence distill --out {data_dir}`)")
-    ckpt_path = out / CHECKPOINT
-    ckpt = None
-    fp = fingerprint(cfg, world)
-    if ckpt_path.exists() and not cfg.cache_only:
-        if not cfg.resume:
-            raise CadenceError(f"{out} already holds a checkpoint; pass --resume or use a new --out")
-        ckpt = load_checkpoint(ckpt_path)
-        if ckpt["config"] != fp:
-            raise CadenceError(f"{ckpt_path} was written with other settings {_diff(ckpt['config'], fp)}; "
-                               "resume with the same settings or use a new --out")
-        shards = ckpt["shards"]  # the data set as it was when training started
-    else:
-        shards = _shard_lists(manifest)
-    if not shards["train"]:
-        raise CadenceError(f"{data_dir} has no training shards yet")
 
-    set_seed(cfg.seed)
-    if backbone is None:
-        from cadence.backbone import load_backbone
-        dev = accelerator.device
-        backbone = load_backbone(cfg.model, cfg.dtype, str(dev))
-    backbone.requires_grad_(False)
-    base_loss, adamtp = L.parse_loss(cfg.loss)
-    need_argmax = base_loss == "ce" and cfg.target == "backbone"
-    boundary = (cfg.adamtp_window, cfg.adamtp_c) if adamtp else None
-    use_topk = base_loss == "kl" and cfg.teacher == "topk"
+def _eval_target(cfg: TrainConfig, need_argmax: bool) -> str:
+    """The held-out target: ``cfg.eval_target``, or (auto) the ce target when it is the argmax."""
+    if cfg.eval_target != "auto":
+        return cfg.eval_target
+    return "backbone" if need_argmax else "token"
 
-    train_corpus = Corpus(data_dir, shards["train"], backbone.vocab_size)
-    val_corpus = Corpus(data_dir, shards["val"], backbone.vocab_size)
-    if use_topk and not (train_corpus.has_topk and (not val_corpus.seqs or val_corpus.has_topk)):
-        raise CadenceError(f"teacher 'topk' needs shards with top-k logits; {data_dir} was distilled "
-                           "without --topk-logits (use --teacher full)")
 
-    cache = None
-    if cfg.cache_hidden:
-        from cadence.training.hidden_cache import build_cache, open_cache
+class _Run:
+    """One training run, split into setup / data / step / eval / checkpoint / finish.
 
-        files = shards["train"] + shards["val"]
-        if main:
-            build_cache(cfg.cache_hidden, backbone, data_dir, files, dtype=cfg.cache_dtype,
-                        progress=cfg.progress)
-        accelerator.wait_for_everyone()
-        cache = open_cache(cfg.cache_hidden, backbone, data_dir, files)
-        if cfg.cache_only:
-            return TrainResult("cached", 0, {"cache": str(cfg.cache_hidden), "shards": len(files)}, None)
+    ``train`` calls them in that order; the attributes are the state the old single
+    function kept in local variables (step, tokens_done, train_seconds, ...).
+    """
 
-    heads = new_heads(cfg.kind, backbone, cfg.num_heads)
-    vocab_map = _setup_draft_vocab(cfg, heads, backbone, data_dir, shards["train"]) if cfg.draft_vocab else None
-    heads.train()
-    model = _Trainable(heads)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: L.lr_lambda(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
-    model, optimizer = accelerator.prepare(model, optimizer)
-    inner = accelerator.unwrap_model(model).heads
-    from accelerate.utils import DistributedType
+    def __init__(self, cfg: TrainConfig, backbone=None, accelerator=None):
+        self.cfg = cfg
+        self.accelerator = accelerator if accelerator is not None else _make_accelerator(cfg)
+        self.main = self.accelerator.is_main_process
+        self.world = self.accelerator.num_processes
+        self.out = Path(cfg.out)
+        self.data_dir = Path(cfg.data)
+        self._resume_point()
+        self._setup_backbone(backbone)
+        self._load_data()
+        if self.cached_only:
+            return
+        self._setup_model()
+        self._setup_rows()
+        self._setup_loss()
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            _trim_log(self.out / LOG, self.step)
+        self.log = _Log(self.out / LOG, self.main)
 
-    # DeepSpeed / FSDP may shard parameters and optimizer state: their checkpoints go through
-    # accelerator.save_state into a step-named directory that checkpoint.pt then points to.
-    sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    # ------------------------------------------------------------ setup
 
-    step, tokens_done, train_seconds = 0, 0, 0.0
-    if ckpt is not None:
-        if ckpt.get("state_dir"):
-            if not sharded:
-                raise CadenceError(f"{ckpt_path} was written by a DeepSpeed/FSDP run; resume it the same way")
-            accelerator.load_state(str(out / ckpt["state_dir"]))
+    def _resume_point(self) -> None:
+        """The checkpoint to resume from (checked against the settings) and the shard lists."""
+        cfg = self.cfg
+        manifest = load_manifest(self.data_dir)
+        if manifest is None:
+            raise CadenceError(f"{self.data_dir} has no manifest.json "
+                               f"(make one with `cadence distill --out {self.data_dir}`)")
+        self.ckpt_path = self.out / CHECKPOINT
+        self.ckpt = None
+        self.fp = fingerprint(cfg, self.world)
+        if self.ckpt_path.exists() and not cfg.cache_only:
+            if not cfg.resume:
+                raise CadenceError(f"{self.out} already holds a checkpoint; pass --resume or use a new --out")
+            self.ckpt = load_checkpoint(self.ckpt_path)
+            if self.ckpt["config"] != self.fp:
+                raise CadenceError(f"{self.ckpt_path} was written with other settings "
+                                   f"{_diff(self.ckpt['config'], self.fp)}; "
+                                   "resume with the same settings or use a new --out")
+            self.shards = self.ckpt["shards"]  # the data set as it was when training started
         else:
-            if sharded:
-                raise CadenceError(f"{ckpt_path} was written without DeepSpeed/FSDP; resume it the same way")
-            inner.load_state_dict(ckpt["heads"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        step, tokens_done, train_seconds = ckpt["step"], ckpt["tokens"], ckpt["train_seconds"]
-        _set_rng_state(ckpt["rng"])
+            self.shards = _shard_lists(manifest)
+        if not self.shards["train"]:
+            raise CadenceError(f"{self.data_dir} has no training shards yet")
 
-    train_rows = pack(segments(train_corpus, cfg.num_heads, cfg.max_len), cfg.max_len, seed=cfg.seed)
-    val_rows = pack(segments(val_corpus, cfg.num_heads, cfg.max_len), cfg.max_len, seed=None)
-    if cfg.eval_rows:
-        val_rows = val_rows[:cfg.eval_rows]
-    rows_per_step = world * cfg.batch_size * cfg.grad_accum
-    steps_per_epoch = len(train_rows) // rows_per_step
-    if steps_per_epoch == 0:
-        raise CadenceError(f"too little training data: {len(train_rows)} packed rows, but one step needs "
-                           f"{rows_per_step} (processes x batch size x grad accumulation)")
-    train_ds = RowDataset(train_corpus, train_rows, cache, need_argmax, boundary, use_topk)
-    val_ds = RowDataset(val_corpus, val_rows, cache, need_argmax, boundary, use_topk)
-    spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk,
-                      vocab_map.to(accelerator.device) if vocab_map is not None else None)
-    # the frozen LM head: an nn.Linear takes the fused loss path (see losses.fused_loss)
-    if vocab_map is not None:
-        loss_head = nn.Linear(backbone.hidden_size, len(inner.draft_vocab), bias=False).to(accelerator.device)
-        loss_head.weight.data = backbone.lm_head.weight.detach()[inner.draft_vocab.to(accelerator.device)]
-        loss_head.weight.requires_grad_(False)
-        eval_lm = lambda f: loss_head(f.to(loss_head.weight.dtype)).float()  # noqa: E731
-    else:
-        loss_head = backbone.lm_head if isinstance(backbone.lm_head, nn.Linear) else inner.lm_logits
-        eval_lm = inner.lm_logits
-    feature_kw = dict(backbone=None if cache is not None else backbone, need_argmax=need_argmax,
-                      boundary=boundary)
+    def _setup_backbone(self, backbone) -> None:
+        from accelerate.utils import set_seed
 
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        _trim_log(out / LOG, step)
-    log = _Log(out / LOG, main)
+        cfg = self.cfg
+        set_seed(cfg.seed)
+        if backbone is None:
+            from cadence.backbone import load_backbone
+            backbone = load_backbone(cfg.model, cfg.dtype, str(self.accelerator.device))
+        backbone.requires_grad_(False)
+        self.backbone = backbone
+        base_loss, adamtp = L.parse_loss(cfg.loss)
+        self.need_argmax = (base_loss == "ce" and cfg.target == "backbone") or cfg.eval_target == "backbone"
+        self.eval_target = _eval_target(cfg, base_loss == "ce" and cfg.target == "backbone")
+        self.boundary = (cfg.adamtp_window, cfg.adamtp_c) if adamtp else None
+        self.use_topk = base_loss == "kl" and cfg.teacher == "topk"
 
-    def evaluate() -> dict | None:
-        if not len(val_ds):
+    def _load_data(self) -> None:
+        """Corpora of both splits and (``--cache-hidden``) the hidden-state cache."""
+        cfg, shards = self.cfg, self.shards
+        self.train_corpus = Corpus(self.data_dir, shards["train"], self.backbone.vocab_size)
+        self.val_corpus = Corpus(self.data_dir, shards["val"], self.backbone.vocab_size)
+        if self.use_topk and not (self.train_corpus.has_topk
+                                  and (not self.val_corpus.seqs or self.val_corpus.has_topk)):
+            raise CadenceError(f"teacher 'topk' needs shards with top-k logits; {self.data_dir} was distilled "
+                               "without --topk-logits (use --teacher full)")
+        self.cache = None
+        self.cached_only = False
+        self.files = shards["train"] + shards["val"]
+        if cfg.cache_hidden:
+            from cadence.training.hidden_cache import build_cache, open_cache
+
+            if self.main:
+                build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
+                            progress=cfg.progress)
+            self.accelerator.wait_for_everyone()
+            self.cache = open_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files)
+            self.cached_only = cfg.cache_only
+
+    def _setup_model(self) -> None:
+        """Heads, draft vocabulary, optimizer, LR schedule; state from the checkpoint."""
+        cfg, accelerator = self.cfg, self.accelerator
+        heads = new_heads(cfg.kind, self.backbone, cfg.num_heads)
+        self.vocab_map = None
+        if cfg.draft_vocab:
+            vocab_dir, files = self.data_dir, self.shards["train"]
+            if cfg.draft_vocab_from:
+                vocab_dir = Path(cfg.draft_vocab_from)
+                vm = load_manifest(vocab_dir)
+                if vm is None:
+                    raise CadenceError(f"--draft-vocab-from {vocab_dir} has no manifest.json")
+                files = _shard_lists(vm)["train"]
+            self.vocab_map = _setup_draft_vocab(cfg, heads, self.backbone, vocab_dir, files)
+        heads.train()
+        model = _Trainable(heads)
+        optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: L.lr_lambda(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.inner = accelerator.unwrap_model(self.model).heads
+        from accelerate.utils import DistributedType
+
+        # DeepSpeed / FSDP may shard parameters and optimizer state: their checkpoints go through
+        # accelerator.save_state into a step-named directory that checkpoint.pt then points to.
+        self.sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+        self.step, self.tokens_done, self.train_seconds = 0, 0, 0.0
+        ckpt = self.ckpt
+        if ckpt is not None:
+            if ckpt.get("state_dir"):
+                if not self.sharded:
+                    raise CadenceError(f"{self.ckpt_path} was written by a DeepSpeed/FSDP run; "
+                                       "resume it the same way")
+                accelerator.load_state(str(self.out / ckpt["state_dir"]))
+            else:
+                if self.sharded:
+                    raise CadenceError(f"{self.ckpt_path} was written without DeepSpeed/FSDP; "
+                                       "resume it the same way")
+                self.inner.load_state_dict(ckpt["heads"])
+                self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.sched.load_state_dict(ckpt["scheduler"])
+            self.step, self.tokens_done, self.train_seconds = ckpt["step"], ckpt["tokens"], ckpt["train_seconds"]
+            _set_rng_state(ckpt["rng"])
+
+    def _setup_rows(self) -> None:
+        """Packed rows of both splits and their datasets."""
+        cfg = self.cfg
+        whole = cfg.kind in ATTENTION_KINDS  # attention heads see the whole prompt, as when decoding
+        self.train_rows = pack(segments(self.train_corpus, cfg.num_heads, cfg.max_len, whole), cfg.max_len,
+                               seed=cfg.seed)
+        self.val_rows = pack(segments(self.val_corpus, cfg.num_heads, cfg.max_len, whole), cfg.max_len, seed=None)
+        if cfg.eval_rows:
+            self.val_rows = self.val_rows[:cfg.eval_rows]
+        self.rows_per_step = self.world * cfg.batch_size * cfg.grad_accum
+        self.steps_per_epoch = len(self.train_rows) // self.rows_per_step
+        if self.steps_per_epoch == 0:
+            raise CadenceError(f"too little training data: {len(self.train_rows)} packed rows, but one step "
+                               f"needs {self.rows_per_step} (processes x batch size x grad accumulation)")
+        self.train_ds = RowDataset(self.train_corpus, self.train_rows, self.cache, self.need_argmax,
+                                   self.boundary, self.use_topk)
+        self.val_ds = RowDataset(self.val_corpus, self.val_rows, self.cache, self.need_argmax,
+                                 self.boundary, self.use_topk)
+
+    def _setup_loss(self) -> None:
+        """The loss spec, the frozen LM head the loss uses, and the evaluation LM head."""
+        cfg, dev, inner, backbone = self.cfg, self.accelerator.device, self.inner, self.backbone
+        vocab_map = self.vocab_map
+        self.spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk,
+                               vocab_map.to(dev) if vocab_map is not None else None)
+        # the frozen LM head: an nn.Linear takes the fused loss path (see losses.fused_loss)
+        if vocab_map is not None:
+            loss_head = nn.Linear(backbone.hidden_size, len(inner.draft_vocab), bias=False).to(dev)
+            loss_head.weight.data = backbone.lm_head.weight.detach()[inner.draft_vocab.to(dev)]
+            loss_head.weight.requires_grad_(False)
+            self.eval_lm = lambda f: loss_head(f.to(loss_head.weight.dtype)).float()  # noqa: E731
+        else:
+            loss_head = backbone.lm_head if isinstance(backbone.lm_head, nn.Linear) else inner.lm_logits
+            self.eval_lm = inner.lm_logits
+        self.loss_head = loss_head
+        self.feature_kw = dict(backbone=None if self.cache is not None else backbone,
+                               need_argmax=self.need_argmax, boundary=self.boundary)
+
+    # ------------------------------------------------------------ eval / checkpoint
+
+    def evaluate(self) -> dict | None:
+        """Held-out accuracies and expected tau on the val rows (reduced over processes)."""
+        if not len(self.val_ds):
             return None
+        cfg, accelerator, model = self.cfg, self.accelerator, self.model
         model.eval()
         counts = None
-        eval_target = "backbone" if need_argmax else "token"
         with torch.no_grad(), accelerator.autocast():
-            mine = list(range(accelerator.process_index, len(val_ds), world))
+            mine = list(range(accelerator.process_index, len(self.val_ds), self.world))
             for i in range(0, len(mine), cfg.batch_size):
                 idx = mine[i:i + cfg.batch_size]
-                batch = to_batch(collate([val_ds[j] for j in idx]), accelerator.device, **feature_kw)
-                feats = model(batch.hidden, batch.ids)
-                c = L.chain_counts(eval_lm, feats, batch, eval_target, cfg.loss_chunk, spec.vocab_map)
+                batch = to_batch(collate([self.val_ds[j] for j in idx]), accelerator.device, **self.feature_kw)
+                feats = model(batch.hidden, batch.ids, batch.seg)
+                c = L.chain_counts(self.eval_lm, feats, batch, self.eval_target, cfg.loss_chunk,
+                                   self.spec.vocab_map)
                 counts = c if counts is None else {k: counts[k] + c[k] for k in c}
         if counts is None:
             counts = {k: torch.zeros(cfg.num_heads, dtype=torch.float64, device=accelerator.device)
@@ -372,125 +470,155 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
         model.train()
         return L.summarize_counts({k: v.cpu() for k, v in counts.items()})
 
-    def save_checkpoint() -> None:
+    def save_checkpoint(self) -> None:
+        accelerator, out = self.accelerator, self.out
         accelerator.wait_for_everyone()
-        state = {"format": CKPT_FORMAT, "config": fp, "shards": shards, "step": step,
-                 "tokens": tokens_done, "train_seconds": train_seconds,
-                 "scheduler": sched.state_dict(), "rng": _rng_state()}
-        if sharded:
-            state["state_dir"] = f"state-{step:08d}"
+        state = {"format": CKPT_FORMAT, "config": self.fp, "shards": self.shards, "step": self.step,
+                 "tokens": self.tokens_done, "train_seconds": self.train_seconds,
+                 "scheduler": self.sched.state_dict(), "rng": _rng_state()}
+        if self.sharded:
+            state["state_dir"] = f"state-{self.step:08d}"
             accelerator.save_state(str(out / state["state_dir"]))  # every rank writes its shard
             accelerator.wait_for_everyone()
         else:
-            state["heads"] = {k: v.detach().cpu() for k, v in inner.state_dict().items()}
-            state["optimizer"] = optimizer.state_dict()
-        if main:
-            atomic_write(ckpt_path, lambda tmp: torch.save(state, tmp))
-            if sharded:  # older state directories (and any left half-written by a crash) go
+            state["heads"] = {k: v.detach().cpu() for k, v in self.inner.state_dict().items()}
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.main:
+            atomic_write(self.ckpt_path, lambda tmp: torch.save(state, tmp))
+            if self.sharded:  # older state directories (and any left half-written by a crash) go
                 import shutil
                 for d in out.glob("state-*"):
                     if d.name != state["state_dir"]:
                         shutil.rmtree(d, ignore_errors=True)
         accelerator.wait_for_everyone()
 
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.kind}", unit="step",
-               disable=not (main and cfg.progress), dynamic_ncols=True)
-    start_step = step
-    status = "finished"
-    win = _Window(cfg.num_heads)
-
-    def flush() -> None:
+    def flush(self) -> None:
         """Reduce the window over processes and write one log record (all ranks call it)."""
-        nonlocal tokens_done
+        win = self.win
         if win.n == 0:
             return
         stats = torch.tensor([win.loss, win.n, win.tokens, win.seconds] + win.heads, dtype=torch.float64,
-                             device=accelerator.device)
-        stats = accelerator.reduce(stats, "sum")
-        tokens_done += int(stats[2])
-        rate = float(stats[2]) / max(float(stats[3]) / world, 1e-9)
-        rec = {"kind": "train", "step": step, "loss": round(float(stats[0] / stats[1]), 5),
+                             device=self.accelerator.device)
+        stats = self.accelerator.reduce(stats, "sum")
+        self.tokens_done += int(stats[2])
+        rate = float(stats[2]) / max(float(stats[3]) / self.world, 1e-9)
+        rec = {"kind": "train", "step": self.step, "loss": round(float(stats[0] / stats[1]), 5),
                "head_loss": [round(float(x / stats[1]), 4) for x in stats[4:]],
-               "lr": sched.get_last_lr()[0], "tokens": tokens_done, "tokens_per_s": round(rate, 1),
-               "time": round(train_seconds, 2)}
-        log.write(rec)
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rate:.0f}")
+               "lr": self.sched.get_last_lr()[0], "tokens": self.tokens_done, "tokens_per_s": round(rate, 1),
+               "time": round(self.train_seconds, 2)}
+        self.log.write(rec)
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rate:.0f}")
         win.reset()
 
-    while step < cfg.steps and status != "stopped":
-        epoch, within = divmod(step, steps_per_epoch)
+    # ------------------------------------------------------------ steps
+
+    def _epoch_loader(self, epoch: int, within: int):
+        """The data loader of one epoch (seeded order), skipping the batches already done."""
+        cfg, accelerator = self.cfg, self.accelerator
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(train_rows), generator=g)[:steps_per_epoch * rows_per_step].tolist()
-        dl = DataLoader(Subset(train_ds, order), batch_size=cfg.batch_size, shuffle=False, collate_fn=collate)
+        order = torch.randperm(len(self.train_rows), generator=g)[:self.steps_per_epoch * self.rows_per_step]
+        dl = DataLoader(Subset(self.train_ds, order.tolist()), batch_size=cfg.batch_size, shuffle=False,
+                        collate_fn=collate)
         dl = accelerator.prepare_data_loader(dl)
         if within:
             dl = accelerator.skip_first_batches(dl, within * cfg.grad_accum)
-        t0 = time.time()
-        for raw in dl:
-            with accelerator.accumulate(model):
-                batch = to_batch(raw, accelerator.device, **feature_kw)
-                with accelerator.autocast():
-                    feats = model(batch.hidden, batch.ids)
-                    loss, parts, _ = L.head_losses(loss_head, feats, batch, spec)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.grad_clip > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            win.add(float(loss.detach()), parts, batch.num_tokens)
-            if not accelerator.sync_gradients:
-                continue
-            sched.step()
-            step += 1
-            dt = time.time() - t0
-            train_seconds += dt
-            win.seconds += dt
-            bar.update(1)
-            stop = bool(cfg.stop_after) and step - start_step >= cfg.stop_after and step < cfg.steps
-            if step % cfg.log_every == 0 or step == cfg.steps or stop or step % cfg.save_every == 0:
-                flush()
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                ev = evaluate()
-                if ev is not None:
-                    log.write({"kind": "eval", "step": step, **ev})
-            if step % cfg.save_every == 0 or step == cfg.steps or stop:
-                save_checkpoint()
-            if stop:
-                status = "stopped"
-            if stop or step >= cfg.steps:
-                break
+        return dl
+
+    def _micro_step(self, raw: dict) -> None:
+        """Forward, loss and backward of one micro-batch (optimizer step when gradients sync)."""
+        cfg, accelerator, model = self.cfg, self.accelerator, self.model
+        with accelerator.accumulate(model):
+            batch = to_batch(raw, accelerator.device, **self.feature_kw)
+            with accelerator.autocast():
+                feats = model(batch.hidden, batch.ids, batch.seg)
+                loss, parts, _ = L.head_losses(self.loss_head, feats, batch, self.spec)
+                if cfg.feature_loss > 0 and getattr(self.inner, "regress_features", False):
+                    loss = loss + cfg.feature_loss * L.feature_regression(feats, batch, cfg.loss_lambda)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and cfg.grad_clip > 0:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.win.add(float(loss.detach()), parts, batch.num_tokens)
+
+    def _after_step(self, dt: float) -> bool:
+        """Bookkeeping after an optimizer step: log, evaluate, checkpoint; True to stop."""
+        cfg, step = self.cfg, self.step
+        self.train_seconds += dt
+        self.win.seconds += dt
+        self.bar.update(1)
+        stop = bool(cfg.stop_after) and step - self.start_step >= cfg.stop_after and step < cfg.steps
+        if step % cfg.log_every == 0 or step == cfg.steps or stop or step % cfg.save_every == 0:
+            self.flush()
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            ev = self.evaluate()
+            if ev is not None:
+                self.log.write({"kind": "eval", "step": step, **ev})
+        if step % cfg.save_every == 0 or step == cfg.steps or stop:
+            self.save_checkpoint()
+        if stop:
+            self.status = "stopped"
+        return stop or step >= cfg.steps
+
+    def loop(self) -> str:
+        """Train until ``cfg.steps`` (or ``--stop-after``); return 'finished' or 'stopped'."""
+        cfg, accelerator = self.cfg, self.accelerator
+        self.bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {cfg.kind}", unit="step",
+                        disable=not (self.main and cfg.progress), dynamic_ncols=True)
+        self.start_step = self.step
+        self.status = "finished"
+        self.win = _Window(cfg.num_heads)
+        while self.step < cfg.steps and self.status != "stopped":
+            epoch, within = divmod(self.step, self.steps_per_epoch)
+            dl = self._epoch_loader(epoch, within)
             t0 = time.time()
-    bar.close()
+            for raw in dl:
+                self._micro_step(raw)
+                if not accelerator.sync_gradients:
+                    continue
+                self.sched.step()
+                self.step += 1
+                if self._after_step(time.time() - t0):
+                    break
+                t0 = time.time()
+        self.bar.close()
+        return self.status
 
-    summary = {"status": status, "step": step, "steps": cfg.steps, "kind": cfg.kind, "num_heads": cfg.num_heads,
-               "loss": cfg.loss, "tokens": tokens_done, "train_seconds": round(train_seconds, 2),
-               "tokens_per_s": round(tokens_done / max(train_seconds, 1e-9), 1),
-               "processes": world, "train_rows": len(train_rows), "val_rows": len(val_rows),
-               "train_reply_tokens": train_corpus.num_reply_tokens(),
-               "val_reply_tokens": val_corpus.num_reply_tokens(), "hidden_cache": bool(cache),
-               **peak_memory_mib(accelerator.device)}
-    if status == "finished":
-        final = evaluate()
-        if final is not None:
-            log.write({"kind": "eval", "step": step, **final})
-        summary["heldout"] = final
-        if sharded:  # gather full weights into plain heads
-            from cadence.heads.io import head_class
+    # ------------------------------------------------------------ finish
 
-            full = accelerator.get_state_dict(model)
-            final_heads = head_class(cfg.kind)(inner.cfg)
-            final_heads.load_state_dict({k.removeprefix("heads."): v for k, v in full.items()})
-            inner = final_heads.bind(backbone)
-        if main:
-            training = {k: v for k, v in fingerprint(cfg, world).items()}
-            training.update(step=step, tokens=tokens_done, backbone_model=cfg.model,
-                            draft_vocab_coverage=getattr(inner, "draft_vocab_coverage", None),
-                            data_shards={k: len(v) for k, v in shards.items()})
-            save_heads(inner, out / "heads", extra_config={"training": training, "heldout": final})
-    if main:
-        atomic_write_json(out / "summary.json", summary)
-    accelerator.wait_for_everyone()
-    return TrainResult(status, step, summary, inner)
+    def finish(self, status: str) -> TrainResult:
+        """Summary, final evaluation and the saved heads."""
+        cfg, accelerator, inner = self.cfg, self.accelerator, self.inner
+        summary = {"status": status, "step": self.step, "steps": cfg.steps, "kind": cfg.kind,
+                   "num_heads": cfg.num_heads, "loss": cfg.loss, "tokens": self.tokens_done,
+                   "train_seconds": round(self.train_seconds, 2),
+                   "tokens_per_s": round(self.tokens_done / max(self.train_seconds, 1e-9), 1),
+                   "processes": self.world, "train_rows": len(self.train_rows), "val_rows": len(self.val_rows),
+                   "train_reply_tokens": self.train_corpus.num_reply_tokens(),
+                   "val_reply_tokens": self.val_corpus.num_reply_tokens(), "hidden_cache": bool(self.cache),
+                   **peak_memory_mib(accelerator.device)}
+        if status == "finished":
+            final = self.evaluate()
+            if final is not None:
+                self.log.write({"kind": "eval", "step": self.step, **final})
+            summary["heldout"] = final
+            if self.sharded:  # gather full weights into plain heads
+                from cadence.heads.io import head_class
+
+                full = accelerator.get_state_dict(self.model)
+                final_heads = head_class(cfg.kind)(inner.cfg)
+                final_heads.load_state_dict({k.removeprefix("heads."): v for k, v in full.items()})
+                inner = final_heads.bind(self.backbone)
+            if self.main:
+                training = {k: v for k, v in fingerprint(cfg, self.world).items()}
+                training.update(step=self.step, tokens=self.tokens_done, backbone_model=cfg.model,
+                                draft_vocab_coverage=getattr(inner, "draft_vocab_coverage", None),
+                                data_shards={k: len(v) for k, v in self.shards.items()})
+                save_heads(inner, self.out / "heads", extra_config={"training": training, "heldout": final})
+        if self.main:
+            atomic_write_json(self.out / "summary.json", summary)
+        accelerator.wait_for_everyone()
+        return TrainResult(status, self.step, summary, inner)
 
 
 class _Window:

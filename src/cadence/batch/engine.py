@@ -1,0 +1,222 @@
+"""The batched speculative engine: one backbone forward verifies every running row's tree.
+
+Knows: continuous batching over ``engine.Request`` objects (each row keeps its own
+scheduler, RNG, context-copy index, detokenizer, stop strings, budget and ``Stats``,
+exactly as a single request does), the ragged batch KV cache (``BatchKVCache``: rows in
+slots 0..B-1, each at its own length), packing trees of different sizes into one
+forward (``layout.pack``) and narrowing speculation as the batch grows (``narrow``).
+Does not know: HTTP, how drafts are made or accepted (the row's ``Request`` does that
+with the engine's drafter and ``verify.RULES``), or which tree a row wants.
+
+One ``step()``:
+  1. admit queued requests into free slots: one prefill forward each, written straight
+     into the row's slot; the row's root token is picked as ``Request`` picks it;
+  2. every running row drafts its step (``Request.begin_step``) with its tree capped at
+     ``narrow.cap(B)`` nodes; a row whose root alone ends it (EOS, last token of its
+     budget) commits without a forward and leaves;
+  3. one ``FastBackbone.forward_rows`` over the B rows' padded trees (logits only for
+     real nodes);
+  4. every row verifies its own nodes and compacts its own cache row
+     (``Request.finish_step``); finished rows leave, and the last row moves into each
+     freed slot so the running rows stay contiguous.
+Per row, the order of operations and of random draws is that of ``Engine.generate``, so
+a row's output is the single request's output (greedy: up to float rounding of a
+batched forward, which can only matter at an exact near-tie; sampling: the same draws
+from the same per-request generator).
+
+Backbones: ``cadence.fast.FastBackbone`` only (Llama / Mistral / Qwen2 / Qwen3, the
+default on CPU). Any other backbone is refused with a ``CadenceError`` that points to
+``cadence.batch.serial.SerialEngine`` (one forward per request, any backbone); there is
+no silent fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from cadence.batch.api import Event
+from cadence.batch.layout import pack
+from cadence.batch.narrow import MAX_NODES, CappedScheduler, NarrowConfig, Narrowing
+from cadence.engine import Engine, GenerationConfig, PendingStep, Request
+from cadence.errors import CadenceError
+from cadence.schedulers.base import SchedulerFactory
+
+INITIAL_CAPACITY = 256  # per-row cache entries before the first doubling
+
+
+@dataclass
+class _Row:
+    rid: int
+    req: Request
+    slot: int = -1  # index in the batch cache while running
+
+
+class BatchEngine:
+    """``MultiEngine`` with one batched forward per step over all running rows.
+
+    backbone: a ``FastBackbone``. drafter / scheduler: as ``engine.Engine`` (scheduler: a
+    ``SchedulerFactory`` or a stateless ``Scheduler``; default the drafter's top-1 chain).
+    narrow: how speculation narrows with the batch size; latency: this machine's
+    ``narrow.BatchLatency`` (measured and cached on first use when ``narrow.mode`` is
+    auto and there is a drafter); draft_s: seconds per drafted level (from the engine's
+    tree policy when built with ``from_engine``).
+    """
+
+    def __init__(self, backbone, drafter=None, scheduler=None, max_batch: int = 8,
+                 narrow: NarrowConfig | None = None, latency=None, draft_s: float = 0.0,
+                 tree_policy=None, allow_unverified: bool = False):
+        if not hasattr(backbone, "forward_rows"):
+            raise CadenceError(
+                f"BatchEngine needs the fast backend (cadence.fast.FastBackbone: Llama, Mistral, Qwen2/3); "
+                f"{type(backbone).__name__} ({getattr(backbone, 'name', '?')}) has no batched forward. "
+                "Use cadence.batch.serial.SerialEngine (one forward per request, any backbone) instead")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise CadenceError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.engine = Engine(backbone, drafter, scheduler)  # what rows share (Request reads it)
+        self.engine.allow_unverified = allow_unverified
+        self.backbone, self.drafter, self.max_batch = backbone, drafter, max_batch
+        self.tree_policy = tree_policy
+        self.narrow_cfg = narrow or NarrowConfig()
+        if latency is None and drafter is not None and self.narrow_cfg.mode == "auto":
+            from cadence.batch.narrow import load_or_measure
+            latency = load_or_measure(backbone, verbose=True)
+        self.narrowing = Narrowing(self.narrow_cfg, latency, draft_s, drafter.num_heads if drafter else 1)
+        self.cache = backbone.new_batch_cache(max_batch, capacity=INITIAL_CAPACITY)
+        self.cache.max_positions = backbone.max_positions + MAX_NODES  # room for padded dummy nodes
+        self.rows: list[_Row] = []  # running; rows[i].slot == i
+        self.waiting: deque[_Row] = deque()
+        self._next = 0
+
+    @classmethod
+    def from_engine(cls, engine: Engine, max_batch: int = 8, **kwargs) -> "BatchEngine":
+        """The batched twin of an engine built by ``methods.make_engine`` (same drafter,
+        scheduler factory, tree policy and lossy opt-in)."""
+        policy = getattr(engine, "tree_policy", None)
+        kwargs.setdefault("draft_s", getattr(policy, "draft_s", 0.0) if policy is not None else 0.0)
+        return cls(engine.backbone, engine.drafter, engine.new_scheduler, max_batch, tree_policy=policy,
+                   allow_unverified=engine.allow_unverified, **kwargs)
+
+    # -- the MultiEngine protocol ----------------------------------------------------------
+    def add(self, prompt_ids: list[int], cfg: GenerationConfig,
+            scheduler: SchedulerFactory | None = None) -> int:
+        req = Request(self.engine, list(prompt_ids), cfg)  # validates (CadenceError)
+        if scheduler is not None and self.drafter is not None:
+            req.scheduler = scheduler(req.sampling)
+        if req.scheduler is not None:
+            req.scheduler = CappedScheduler(req.scheduler)
+        rid, self._next = self._next, self._next + 1
+        self.waiting.append(_Row(rid, req))
+        return rid
+
+    def abort(self, rid: int) -> None:
+        for row in self.waiting:
+            if row.rid == rid:
+                self.waiting.remove(row)
+                return
+        for row in self.rows:
+            if row.rid == rid:
+                self._leave(row)
+                return
+
+    def has_work(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    @torch.inference_mode()
+    def step(self) -> list[Event]:
+        self._admit()
+        events: list[Event] = []
+        jobs: dict[int, PendingStep] = {}
+        for row in list(self.rows):
+            self._set_cap(row)
+            job = row.req.begin_step()
+            if isinstance(job, PendingStep):
+                jobs[row.rid] = job
+            else:  # the root alone finished it: no forward for this row
+                events.append(self._event(row, job, None))
+                self._leave(row)
+        if self.rows:
+            events.extend(self._verify([(row, jobs[row.rid]) for row in self.rows]))
+        return events
+
+    # -- internals ---------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Queued requests take free slots; one prefill forward each, into its own slot."""
+        while self.waiting and len(self.rows) < self.max_batch:
+            row = self.waiting.popleft()
+            row.slot = len(self.rows)
+            req = row.req
+            t0 = time.perf_counter()
+            req.cache = self.cache.row(row.slot)
+            ids = torch.tensor([req.prompt_ids], device=self.backbone.device)
+            out = self.backbone.forward_rows(ids, self.cache, row.slot, [0], need_logits=False)
+            req.prefilled(out.hidden[0, -1], t0, out.hidden[0])  # every prompt state: drafters with state
+            self.rows.append(row)
+
+    def _set_cap(self, row: _Row) -> None:
+        sched = row.req.scheduler
+        if sched is None:
+            return
+        sampling = row.req.sampling
+        copying = self.drafter.copy is not None and sampling.greedy if hasattr(self.drafter, "copy") else False
+        table = self.tree_policy.table(copying) if self.tree_policy is not None else None
+        sched.cap = self.narrowing.cap(len(self.rows), table, self.drafter.max_depth(sampling))
+
+    def _verify(self, work: list[tuple[_Row, PendingStep]]) -> list[Event]:
+        """One forward over every row's tree, then each row verifies and commits."""
+        p = pack([row.req.past for row, _ in work], [job.tree for _, job in work],
+                 [job.tokens for _, job in work], self.backbone.device)
+        out = self.backbone.forward_rows(p.tokens, self.cache, 0, p.starts, p.positions, p.mask,
+                                         need_logits=False)
+        n = p.tokens.shape[1]
+        real = torch.cat([torch.arange(m) + b * n for b, m in enumerate(p.sizes)]).to(out.hidden.device)
+        logits = self.backbone.logits(out.hidden.reshape(-1, out.hidden.shape[-1])[real])
+        events, offset = [], 0
+        for b, ((row, job), m) in enumerate(zip(work, p.sizes)):
+            committed = row.req.finish_step(job, logits[offset:offset + m], out.hidden[b, :m])
+            offset += m
+            events.append(self._event(row, committed, job))
+        for row, _ in work:
+            if row.req.done:
+                self._leave(row)
+        return events
+
+    def _event(self, row: _Row, committed: list[int], job: PendingStep | None) -> Event:
+        req = row.req
+        accepted = req.stats.step_log[-1].accepted if job is not None else 0
+        ev = Event(rid=row.rid, tokens=list(committed), text=req.take_text(), finished=req.done,
+                   drafted=job.tree.size - 1 if job is not None else 0, accepted=accepted,
+                   accepted_at=[1] * accepted)
+        if req.done:
+            ev.finish_reason = self._reason(req)
+            ev.stats = req.stats
+        return ev
+
+    def _reason(self, req: Request) -> str:
+        if req.detok.stopped or (req.tokens and req.tokens[-1] in self.backbone.eos_token_ids):
+            return "stop"
+        return "length"
+
+    def _leave(self, row: _Row) -> None:
+        """Free ``row``'s slot: the last running row moves into it."""
+        slot, last = row.slot, self.rows[-1]
+        self.rows.pop()
+        if last is not row:
+            self.cache.move(last.slot, slot)
+            last.slot = slot
+            last.req.cache.slot = slot
+            self.rows[slot] = last
+        else:
+            self.cache.lengths[slot] = 0
+        row.slot = -1

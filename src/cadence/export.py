@@ -1,0 +1,165 @@
+"""``cadence export``: trained eagle heads as a draft-model directory for vLLM / SGLang.
+
+Knows: the EAGLE-1 layout the two servers load, checked by reading their loaders
+(vLLM ``vllm/model_executor/models/llama_eagle.py`` at commit 00da923 of vllm-project/vllm,
+and SGLang ``python/sglang/srt/models/llama_eagle.py`` at 034b3be of sgl-project/sglang):
+
+* ``config.json``: the backbone's Llama config with ``num_hidden_layers = 1`` and
+  ``architectures = ["EagleLlamaForCausalLM"]`` (vLLM) or ``["LlamaForCausalLMEagle"]``
+  (SGLang); the layer's shape (heads, kv heads, head_dim, intermediate size, RoPE theta,
+  RMS eps) is the one the heads were trained with;
+* ``model.safetensors``: ``fc.weight`` [H, 2H] applied to ``cat(embedding, hidden)`` (that
+  order in both loaders; SGLang's ``fc`` has a bias, written as zeros) and ``layers.0.*``
+  with transformers' ``LlamaDecoderLayer`` names and no ``input_layernorm`` (both servers
+  drop it in layer 0). No ``embed_tokens`` / ``lm_head``: both share the target model's
+  (vLLM skips ``embed_tokens`` from the draft checkpoint when pipeline parallelism is off).
+
+The draft vocabulary (a cadence-only speed-up) is not exported: servers draft over the full
+vocabulary with the shared LM head, which the heads were trained through.
+
+Does not know: mtp / mtp-attn / hydra export. vLLM's MTP models (``deepseek_mtp``,
+``mimo_mtp``) belong to those architectures, and there is no vLLM counterpart for MTP
+modules on a Llama backbone or for Hydra heads, so they are refused rather than written
+half-compatible. Not checked here: loading in a running vLLM / SGLang (neither is installed
+on this machine); the test reloads the weights into a transformers ``LlamaDecoderLayer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cadence.atomic import atomic_write, atomic_write_json
+from cadence.errors import CadenceError
+
+FORMATS = {"vllm-eagle": "EagleLlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}
+WEIGHTS = "model.safetensors"
+
+
+def _llama_config(heads, backbone_config: dict | None, fmt: str) -> dict:
+    c = heads.cfg
+    base = dict(backbone_config or {})
+    for k in ("architectures", "quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        base.pop(k, None)
+    base.update({
+        "architectures": [FORMATS[fmt]], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "rms_norm_eps": c.rms_eps, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "rope_theta": c.rope_theta, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    })
+    base.setdefault("rope_parameters", {"rope_type": "default"})
+    if isinstance(base.get("rope_parameters"), dict):
+        base["rope_parameters"] = {**base["rope_parameters"], "rope_theta": c.rope_theta}
+    base.setdefault("max_position_embeddings", 8192)
+    base["cadence"] = {"kind": c.kind, "backbone": c.backbone, "num_heads": c.num_heads,
+                       "note": "EAGLE-1 draft layer exported by cadence; embed_tokens / lm_head are the target's"}
+    return base
+
+
+def eagle_state(heads, fmt: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The server-side tensors of ``heads`` (an EagleHeads)."""
+    out = {"fc.weight": heads.fc.weight}
+    for name, t in heads.layers[0].state_dict().items():
+        out[f"layers.0.{name}"] = t
+    if fmt == "sglang-eagle":
+        out["fc.bias"] = torch.zeros(heads.cfg.hidden_size)
+    return {k: v.detach().to(dtype).cpu().contiguous() for k, v in out.items()}
+
+
+def export_heads(heads_dir: str | Path, fmt: str, out: str | Path, backbone_config: dict | None = None) -> Path:
+    """Write ``out/config.json`` and ``out/model.safetensors`` for ``fmt`` from a heads directory."""
+    from cadence.heads.io import head_class
+    from cadence.heads.base import HeadConfig
+
+    if fmt not in FORMATS:
+        raise CadenceError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    heads_dir, out = Path(heads_dir), Path(out)
+    cfg_path = heads_dir / "config.json"
+    if not cfg_path.is_file() or not (heads_dir / "heads.safetensors").is_file():
+        raise CadenceError(f"{heads_dir} is not a heads directory (needs config.json and heads.safetensors)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+        cfg = HeadConfig(**{k: raw[k] for k in HeadConfig.__dataclass_fields__ if k in raw})
+    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise CadenceError(f"{cfg_path} is malformed: {exc}") from exc
+    if cfg.kind != "eagle":
+        raise CadenceError(f"{heads_dir} holds {cfg.kind} heads; only eagle heads have a vLLM / SGLang "
+                           "draft-model layout (llama_eagle). mtp / mtp-attn / hydra / medusa heads of "
+                           "cadence have no loader there that matches them")
+    heads = head_class(cfg.kind)(cfg)
+    try:
+        state = load_file(str(heads_dir / "heads.safetensors"))
+        state.pop("draft_vocab", None)
+        missing, unexpected = heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    except Exception as exc:
+        raise CadenceError(f"{heads_dir / 'heads.safetensors'} is corrupt or does not match its config: {exc}") from exc
+    if missing or [k for k in unexpected if k != "draft_vocab"]:
+        raise CadenceError(f"{heads_dir / 'heads.safetensors'} does not match its config "
+                           f"(missing {missing}, unexpected {unexpected})")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = eagle_state(heads, fmt)
+    atomic_write(out / WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    atomic_write_json(out / "config.json", _llama_config(heads, backbone_config, fmt))
+    return out
+
+
+def import_eagle(directory: str | Path, backbone):
+    """Read an exported directory back into cadence EagleHeads bound to ``backbone``."""
+    from cadence.heads.io import new_heads
+
+    directory = Path(directory)
+    try:
+        conf = json.loads((directory / "config.json").read_text())
+        state = load_file(str(directory / WEIGHTS))
+    except Exception as exc:
+        raise CadenceError(f"{directory} is not an exported eagle directory: {exc}") from exc
+    shape = {k: conf[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                                  "rope_theta")}
+    heads = new_heads("eagle", backbone, conf.get("cadence", {}).get("num_heads", 3), rms_eps=conf["rms_norm_eps"],
+                      **shape)
+    mine = {"fc.weight": state["fc.weight"].float()}
+    mine.update({k[len("layers.0."):]: v.float() for k, v in state.items() if k.startswith("layers.0.")})
+    with torch.no_grad():
+        heads.fc.weight.copy_(mine.pop("fc.weight"))
+        heads.layers[0].load_state_dict(mine)
+    return heads
+
+
+def _backbone_config(spec: str) -> dict | None:
+    if not spec:
+        return None
+    from cadence.backbone import resolve_model_dir
+
+    path, _ = resolve_model_dir(spec)
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write eagle heads as a vLLM / SGLang draft-model directory",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", required=True, help="heads directory (trained eagle heads)")
+    p.add_argument("--format", required=True, choices=sorted(FORMATS), help="target server layout")
+    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    p.add_argument("--model", default="smollm2",
+                   help="backbone whose config.json seeds the draft config (RoPE, positions, token ids); "
+                        "'' to write only what the heads know")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    out = export_heads(args.heads, args.format, args.out, _backbone_config(args.model))
+    print(f"wrote {out / 'config.json'} and {out / WEIGHTS}")
+    if args.format == "vllm-eagle":
+        print(f"serve: vllm serve TARGET_MODEL --speculative-config "
+              f"'{{\"method\": \"eagle\", \"model\": \"{out}\", \"num_speculative_tokens\": 3}}'")
+    else:
+        print(f"serve: python -m sglang.launch_server --model-path TARGET_MODEL --speculative-algorithm EAGLE "
+              f"--speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 4 "
+              "--speculative-num-draft-tokens 8")
+    return 0

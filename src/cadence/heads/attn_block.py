@@ -1,0 +1,207 @@
+"""One Llama decoder block with explicit keys / values, for the attention-bearing heads.
+
+Knows: the block's arithmetic (RMSNorm, grouped-query attention with RoPE, SwiGLU),
+laid out with the parameter names of transformers' ``LlamaDecoderLayer`` (``self_attn.
+q_proj`` ..., ``mlp.gate_proj`` ..., ``input_layernorm``, ``post_attention_layernorm``) so
+that the weights load unchanged into a Llama layer (see ``cadence.export``); the three
+ways the heads attend: over a whole packed row (training, causal within a segment, any
+extra mask), over a shared prefix of cached entries plus some extra entries (drafting a
+tree level), and EAGLE's training-time test (a causal prefix plus a few per-position
+"diagonal" keys). Does not know: what the entries mean (``eagle`` and ``mtp_attn`` do).
+
+Shapes: H query heads, G key/value heads (H % G == 0), D = head_dim; keys and values are
+kept as (N, G, D) per sequence (drafting) or (B, T, G, D) (training), after RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cadence.heads.mtp import RMSNorm
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    d: int  # model width
+    heads: int  # H
+    kv_heads: int  # G
+    head_dim: int  # D
+    inter: int  # SwiGLU width
+    eps: float
+    rope_theta: float
+
+
+def shape_from_config(cfg) -> BlockShape:
+    """The block shape recorded in a ``HeadConfig`` (attention fields)."""
+    return BlockShape(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                      cfg.intermediate_size, cfg.rms_eps, cfg.rope_theta)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's default rotary embedding (rotate-half) of x (..., N, heads, D) at positions
+    pos (..., N). Example: pos 0 leaves x unchanged."""
+    D = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
+    ang = pos.to(torch.float32)[..., None] * inv  # (..., N, D/2)
+    emb = torch.cat([ang, ang], dim=-1)[..., None, :]  # (..., N, 1, D)
+    cos, sin = emb.cos(), emb.sin()
+    xf = x.float()
+    x1, x2 = xf[..., :D // 2], xf[..., D // 2:]
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, s: BlockShape):
+        super().__init__()
+        self.q_proj = nn.Linear(s.d, s.heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.d, s.kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.d, s.kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.d, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, s: BlockShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.d, s.inter, bias=False)
+        self.up_proj = nn.Linear(s.d, s.inter, bias=False)
+        self.down_proj = nn.Linear(s.inter, s.d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """x -> r = x + Attn(norm1(x)); out = r + MLP(norm2(r)).
+
+    ``input_norm=False`` drops norm1 (EAGLE's layer 0, as vLLM / SGLang build it). The
+    output projections start at zero, so a fresh block is the identity.
+    """
+
+    def __init__(self, s: BlockShape, input_norm: bool = True):
+        super().__init__()
+        self.shape = s
+        self.input_layernorm = RMSNorm(s.d, s.eps) if input_norm else None
+        self.self_attn = _Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.d, s.eps)
+        self.mlp = _MLP(s)
+        nn.init.zeros_(self.self_attn.o_proj.weight)
+        nn.init.zeros_(self.mlp.down_proj.weight)
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
+        """x (..., N, d), pos (..., N) -> q (..., N, H, D), k and v (..., N, G, D), RoPE applied."""
+        s, a = self.shape, self.self_attn
+        y = self.input_layernorm(x) if self.input_layernorm is not None else x
+        lead = x.shape[:-1]
+        q = a.q_proj(y).view(*lead, s.heads, s.head_dim)
+        k = a.k_proj(y).view(*lead, s.kv_heads, s.head_dim)
+        v = a.v_proj(y).view(*lead, s.kv_heads, s.head_dim)
+        return rope(q, pos, s.rope_theta), rope(k, pos, s.rope_theta), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x (..., d) the block input, attn (..., H, D) the attention output -> block output."""
+        r = x + self.self_attn.o_proj(attn.flatten(-2))
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+    # ------------------------------------------------------------------ training views
+    def forward_masked(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+        """Whole rows: x (B, T, d), pos (B, T), mask (B, T, T) bool (True = query t sees key j;
+        every row must allow at least its diagonal). Returns (out (B, T, d), k, v (B, T, G, D))."""
+        q, k, v = self.qkv(x, pos)
+        rep = self.shape.heads // self.shape.kv_heads
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
+            v.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=mask[:, None])
+        return self.finish(x, o.transpose(1, 2)), k, v
+
+    def forward_ttt(self, x: torch.Tensor, pos: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
+                    mask1: torch.Tensor, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]):
+        """EAGLE's training-time test for one level: query t (x (B, T, d) at pos (B, T)) sees
+        the level-1 keys k1/v1 (B, T, G, D) where mask1 (B, T, T) allows, plus, for each
+        earlier level m >= 2, only that level's entry of the same chain t (``diag_k[m-2]``,
+        (B, T, G, D)), plus itself. Returns (out, k, v) of this level.
+
+        Example (T = 4, level 3): query t = 1 scores level-1 keys j = 0, 1 (mask1), level-2
+        key 1 and its own level-3 key, and softmaxes over those four."""
+        q, k, v = self.qkv(x, pos)
+        H, G = self.shape.heads, self.shape.kv_heads
+        rep = H // G
+        scale = self.shape.head_dim ** -0.5
+        qh = q.transpose(1, 2).float()  # (B, H, T, D)
+        main = qh @ k1.repeat_interleave(rep, 2).transpose(1, 2).float().transpose(-1, -2) * scale
+        main = main.masked_fill(~mask1[:, None], float("-inf"))  # (B, H, T, T)
+        ks, vs = diag_k + [k], diag_v + [v]
+        diag = torch.stack([(qh * kk.repeat_interleave(rep, 2).transpose(1, 2).float()).sum(-1) * scale
+                            for kk in ks], dim=-1)  # (B, H, T, L)
+        p = torch.softmax(torch.cat([main, diag], dim=-1), dim=-1)
+        T = main.shape[-1]
+        o = p[..., :T] @ v1.repeat_interleave(rep, 2).transpose(1, 2).float()
+        for i, vv in enumerate(vs):
+            o = o + p[..., T + i, None] * vv.repeat_interleave(rep, 2).transpose(1, 2).float()
+        return self.finish(x, o.transpose(1, 2).to(x.dtype)), k, v
+
+    # ------------------------------------------------------------------ drafting view
+    def forward_prefix(self, x: torch.Tensor, pos: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor,
+                       pre_mask: torch.Tensor | None = None, k_ext: torch.Tensor | None = None,
+                       v_ext: torch.Tensor | None = None, ext_mask: torch.Tensor | None = None,
+                       own_mask: torch.Tensor | None = None):
+        """P new entries x (P, d) at positions pos (P,) over cached entries k_pre/v_pre (n, G, D).
+
+        New entry p sees cached entry i where pre_mask (P, n) allows (default: all), the
+        extra entries k_ext/v_ext (M, G, D) where ext_mask (P, M) allows, and new entry q
+        where own_mask (P, P) allows (default: q <= p, a causal chain; it must allow p itself).
+        Returns (out (P, d), k, v (P, G, D) of the new entries)."""
+        q, k, v = self.qkv(x, pos)
+        P, dev = x.shape[0], x.device
+        if own_mask is None:
+            own_mask = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        if pre_mask is None:
+            pre_mask = torch.ones(P, k_pre.shape[0], dtype=torch.bool, device=dev)
+        ks, vs, masks = [k_pre], [v_pre], [pre_mask]
+        if k_ext is not None and k_ext.shape[0]:
+            ks.append(k_ext)
+            vs.append(v_ext)
+            masks.append(ext_mask)
+        ks.append(k)
+        vs.append(v)
+        masks.append(own_mask)
+        rep = self.shape.heads // self.shape.kv_heads
+        K = torch.cat(ks).repeat_interleave(rep, 1).transpose(0, 1)  # (H, N, D)
+        V = torch.cat(vs).repeat_interleave(rep, 1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None],
+                                           attn_mask=torch.cat(masks, 1)[None, None])[0]  # (H, P, D)
+        return self.finish(x, o.transpose(0, 1)), k, v
+
+
+class KV:
+    """Keys and values of one block over consecutive positions ``start .. start+n-1``
+    (a per-request drafter cache; only committed entries are ever kept)."""
+
+    def __init__(self, shape: BlockShape, start: int, device, dtype):
+        self.start = start
+        self.k = torch.zeros(0, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
+        self.v = self.k.clone()
+
+    @property
+    def end(self) -> int:
+        """The next position (one past the last entry)."""
+        return self.start + self.k.shape[0]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = torch.cat([self.k, k])
+        self.v = torch.cat([self.v, v])
+
+
+def segment_causal(seg: torch.Tensor) -> torch.Tensor:
+    """(B, T) packed-sequence ids -> (B, T, T) bool: key j visible to query t iff j <= t and
+    both are in the same sequence (padding, seg -1, sees only itself).
+    Example: seg [0, 0, 1] -> query 2 sees only key 2; query 1 sees keys 0, 1."""
+    T = seg.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+    same = seg[:, :, None] == seg[:, None, :]
+    eye = torch.eye(T, dtype=torch.bool, device=seg.device)
+    return (causal & same & (seg[:, :, None] >= 0)) | eye

@@ -1,0 +1,167 @@
+"""EAGLE-1 drafter: one Llama decoder layer doing feature-level autoregression.
+
+    f_j = Layer( fc[ E(x_{j+1}) ; h_j ] )        entry j, at position j
+    logits for x_{j+2} = W_lm(f_j)
+
+with causal self-attention over earlier entries (its own KV cache). Drafting feeds f back
+in place of h: the entry of a tree node at depth d >= 1 is ``fc[E(its token) ; f_parent]`` at
+position t + d (t the root's parent position), seeing the cached entries of the committed
+context (root's entry included, it is always committed), its ancestors' entries and
+itself (a tree mask over the draft's own entries). The same layer serves every depth; K
+(``num_heads``) is only how deep the drafter goes.
+
+Layout follows vLLM's ``llama_eagle`` (and SGLang's) so ``cadence export`` can hand the
+weights over unchanged: ``fc`` takes ``[embedding ; hidden]`` in that order, layer 0 has no
+input RMSNorm, and no norm follows the layer (features go straight to the shared LM head;
+METHODS.md writes ``W_lm(Norm(f))``: **(choice)** no learned norm, because vLLM's draft
+model has none to load; the backbone's h is already normed, and f is trained towards it).
+
+Training (``train_features``): teacher forcing over whole packed rows plus EAGLE-3-style
+*training-time test*: depth 1 uses the true h at every position; depth k uses depth k-1's
+features of the same chain, and its query sees the level-1 entries up to t plus the deeper
+entries of its own chain, exactly the keys it sees in a drafted tree.
+
+Does not know: trees or the engine (``drafter`` walks the tree and owns the per-request
+state); the backbone (bound with ``bind``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from cadence.errors import CadenceError
+from cadence.heads.attn_block import KV, Block, segment_causal, shape_from_config
+from cadence.heads.base import DraftHeads, HeadConfig
+
+
+@dataclass
+class _Tree:
+    """One draft's scratch state: the cache, the root's features, the tree's own entries."""
+
+    cache: KV
+    t: int  # position of the root's parent state h_t (root entry's position)
+    root: torch.Tensor  # (d,) f of the root entry
+    k: torch.Tensor | None = None  # (M, G, D) entries of drafted nodes (depth >= 1)
+    v: torch.Tensor | None = None
+    anc: dict = field(default_factory=dict)  # node -> entry indices of its drafted ancestors and itself
+
+
+class EagleCache:
+    """Per-request drafter cache: KV of the committed entries and the last entry's output."""
+
+    def __init__(self, heads: "EagleHeads", start: int):
+        p = next(heads.parameters())
+        self.kv = KV(heads.layers[0].shape, start, p.device, p.dtype)
+        self.last: torch.Tensor | None = None  # f of the newest entry
+
+    @property
+    def end(self) -> int:
+        return self.kv.end
+
+
+class EagleHeads(DraftHeads):
+    attends = True  # drafts need the per-request state (drafter.new_state / commit)
+    regress_features = True  # features target the backbone's next hidden state (--feature-loss)
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__(cfg)
+        if not cfg.num_attention_heads:
+            raise CadenceError("eagle heads need the attention shape (num_attention_heads, ...) in their config")
+        d = cfg.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        with torch.no_grad():  # start as "pass h through": f = h, drafts = the backbone's own guess at t
+            self.fc.weight.zero_()
+            self.fc.weight[:, d:] = torch.eye(d)
+        self.layers = nn.ModuleList([Block(shape_from_config(cfg), input_norm=False)])
+
+    @property
+    def layer(self) -> Block:
+        return self.layers[0]
+
+    def _input(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.embed(tokens), feats.to(self._param_dtype())], dim=-1))
+
+    # ------------------------------------------------------------------ training
+    def train_features(self, hidden, ids, seg=None):
+        """Depth k at position t: f_k[t] (predicts x_{t+1+k}); list of (B, T-1-k, d).
+
+        Level m's entry of chain t sits at position t+m-1 and reads x_{t+m}; beyond the row
+        end the token is padding (those positions never reach the loss). Example, T = 5,
+        K = 2: level 1 has entries t = 0..3 (tokens x_1..x_4), depth 1 returns t = 0..2;
+        level 2 entry of chain t reads f_1[t] and x_{t+2}, depth 2 returns t = 0..1."""
+        B, T = ids.shape
+        L = T - 1
+        h = hidden[:, :L].to(self._param_dtype())
+        pos = torch.arange(L, device=ids.device).expand(B, L)
+        seg = torch.zeros_like(ids) if seg is None else seg
+        mask1 = segment_causal(seg[:, :L])
+        x = self._input(ids[:, 1:], h)
+        f, k1, v1 = self.layer.forward_masked(x, pos, mask1)
+        feats = [f[:, :T - 2]]
+        dk, dv = [], []
+        for m in range(2, self.K + 1):
+            tok = torch.cat([ids[:, m:], ids.new_zeros(B, m - 1)], dim=1)  # x_{t+m}, padded
+            x = self._input(tok, f)
+            f, k, v = self.layer.forward_ttt(x, pos + (m - 1), k1, v1, mask1, dk, dv)
+            dk, dv = dk + [k], dv + [v]
+            feats.append(f[:, :T - 1 - m])
+        return feats
+
+    # ------------------------------------------------------------------ drafting
+    def new_cache(self, start: int = 0) -> EagleCache:
+        return EagleCache(self, start)
+
+    def begin_draft(self, cache: EagleCache, pending: torch.Tensor, seq: list[int]) -> _Tree:
+        """Extend ``cache`` with the committed entries it lacks and return the draft's scratch.
+
+        seq = committed tokens + [root] = x_0..x_{t+1}; pending (m, d) = h_j for j = cache.end
+        .. t (the backbone states not consumed yet). Entry j = (x_{j+1}, h_j), so the root's
+        entry (x_{t+1}, h_t) is the last one added. Example: cache.end 10, t = 12 -> pending
+        holds h_10..h_12 and entries 10, 11, 12 are added (tokens x_11, x_12, root)."""
+        t = len(seq) - 2
+        m = pending.shape[0]
+        if cache.end + m != t + 1:
+            raise CadenceError(f"eagle drafter state out of step: cache ends at {cache.end}, {m} new "
+                               f"states, but the root's parent is at {t}")
+        if m:
+            dev = pending.device
+            toks = torch.tensor(seq[cache.end + 1:t + 2], device=dev)
+            pos = torch.arange(cache.end, t + 1, device=dev)
+            out, k, v = self.layer.forward_prefix(self._input(toks, pending), pos, cache.kv.k, cache.kv.v)
+            cache.kv.append(k, v)
+            cache.last = out[-1]
+        if cache.last is None:
+            raise CadenceError("eagle drafter state is empty: commit the prompt's states first")
+        return _Tree(cache.kv, t, cache.last)
+
+    def tree_step(self, k: int, prev: torch.Tensor, tokens: torch.Tensor, ctx: _Tree, nodes: list[int],
+                  parents: list[int]):
+        """Depth k-1 nodes ``nodes`` (tokens (P,), parent features prev (P, d)) -> their own
+        features (P, d), from which their children at depth k are drafted."""
+        if k == 1:  # the root: its entry is already in the cache
+            return ctx.root[None].expand(len(nodes), -1)
+        dev = tokens.device
+        M = 0 if ctx.k is None else ctx.k.shape[0]
+        ext = torch.zeros(len(nodes), M, dtype=torch.bool, device=dev)
+        for i, p in enumerate(parents):
+            ext[i, ctx.anc.get(p, [])] = True
+        pos = torch.full((len(nodes),), ctx.t + k - 1, device=dev)
+        out, kk, vv = self.layer.forward_prefix(self._input(tokens, prev), pos, ctx.cache.k, ctx.cache.v,
+                                                k_ext=ctx.k, v_ext=ctx.v, ext_mask=ext,
+                                                own_mask=torch.eye(len(nodes), dtype=torch.bool, device=dev))
+        ctx.k = kk if ctx.k is None else torch.cat([ctx.k, kk])
+        ctx.v = vv if ctx.v is None else torch.cat([ctx.v, vv])
+        for i, (node, p) in enumerate(zip(nodes, parents)):
+            ctx.anc[node] = ctx.anc.get(p, []) + [M + i]
+        return out
+
+    def tree_logits_features(self, k: int, state: torch.Tensor) -> torch.Tensor:
+        """Features for the LM head from a node's state f (no norm: vLLM's layout)."""
+        return state
+
+    def step_features(self, k, state, token):
+        raise CadenceError("eagle heads draft through HeadDrafter (they need the request's context); "
+                           "this scheduler steps heads on their own and supports MLP heads only")

@@ -1,0 +1,103 @@
+"""``cadence serve``: load the model, build the engine, serve it with uvicorn.
+
+Knows: the subcommand's flags (from ``ServeConfig``, ``MethodSpec`` and
+``GenerationConfig``, whose values are the per-request defaults), the one place where
+the multi-request engine is chosen (``multi_engine``), and that FastAPI / uvicorn /
+prometheus-client come with the ``serve`` extra (imported only when the command runs).
+Does not know the routes (``cadence.server.app``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from cadence.cliargs import add_fields, from_args
+from cadence.errors import CadenceError
+from cadence.server.config import Batching, ServeConfig
+
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
+
+
+def register(subparsers) -> None:
+    from cadence.cli import _add_model_args
+    from cadence.engine import GenerationConfig
+    from cadence.methods import MethodSpec
+
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+        description="Serve the model with speculative decoding behind an OpenAI-compatible API. "
+                    "Generation flags set the defaults of requests that do not say otherwise.")
+    _add_model_args(p)
+    add_fields(p, ServeConfig)
+    add_fields(p, MethodSpec)
+    add_fields(p, GenerationConfig, exclude=("seed",),  # a request without seed gets a fresh one
+               defaults={"temperature": 1.0, "max_new_tokens": 256})
+    p.set_defaults(func=run)
+
+
+def multi_engine(engine, batching: Batching, max_batch: int):
+    """The ``MultiEngine`` over ``engine``: ``serial`` (any backbone), ``batched``
+    (``cadence.batch.engine.BatchEngine``; a clear error while it is missing or refuses
+    this backbone) or ``auto`` (batched where it works, else serial)."""
+    from cadence.batch.serial import SerialEngine
+
+    batching = Batching(batching)
+    if batching is Batching.SERIAL:
+        return SerialEngine(engine, max_batch=max_batch)
+    try:
+        from cadence.batch.engine import BatchEngine
+    except ImportError as exc:
+        if batching is Batching.AUTO:
+            return SerialEngine(engine, max_batch=max_batch)
+        raise CadenceError(f"--batching batched needs cadence.batch.engine, which this install lacks "
+                           f"({exc}); use --batching serial") from exc
+    try:
+        return BatchEngine.from_engine(engine, max_batch=max_batch)
+    except CadenceError:
+        if batching is Batching.AUTO:
+            return SerialEngine(engine, max_batch=max_batch)
+        raise
+
+
+def _need_extra() -> None:
+    missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CadenceError(f"cadence serve needs {', '.join(missing)}: pip install 'cadence[serve]'")
+
+
+def build(args: argparse.Namespace):
+    """(app, ServeConfig) from parsed flags: model, engine, app; nothing listens yet."""
+    _need_extra()
+    from cadence.backbone import load_backbone
+    from cadence.engine import GenerationConfig
+    from cadence.methods import MethodSpec, make_engine
+    from cadence.server.app import AppSettings, create_app
+
+    conf = from_args(ServeConfig, args)
+    spec = from_args(MethodSpec, args)
+    defaults = from_args(GenerationConfig, args)  # validated now: bad defaults exit 2
+    backbone = load_backbone(args.model, args.dtype, args.device, args.backend)
+    engine = make_engine(backbone, spec)
+    multi = multi_engine(engine, conf.batching, conf.max_batch)
+    settings = AppSettings(model_name=conf.served_model_name or backbone.name, max_queue=conf.max_queue,
+                           defaults=defaults, spec=spec if spec.method.value != "vanilla" else None)
+    return create_app(engine, multi, settings), conf
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    _need_extra()
+    from cadence.server.runner import listen, make_server
+
+    conf = from_args(ServeConfig, args)
+    sock = listen(conf.host, conf.port)  # a port in use fails now, before the model loads
+    app, conf = build(args)
+    port = sock.getsockname()[1]
+    logging.basicConfig(level=conf.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    print(f"cadence: serving {app.state.metrics.model} ({type(app.state.engine).__name__}, "
+          f"max batch {app.state.engine.max_batch}, queue {conf.max_queue}) on http://{conf.host}:{port}",
+          flush=True)
+    make_server(app, conf.host, port, conf.shutdown_timeout, conf.log_level).run(sockets=[sock])
+    return 0

@@ -1,0 +1,54 @@
+"""Settings of ``cadence serve``; its CLI flags derive from these fields.
+
+Knows: where to listen, the limits (requests decoding at once, requests waiting), how
+the multi-request engine is chosen, how long shutdown waits. Does not know the model or
+the decoding method (``MethodSpec``) or per-request defaults (``GenerationConfig``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from cadence.errors import CadenceError
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class Batching(str, Enum):
+    SERIAL = "serial"  # cadence.batch.serial.SerialEngine: requests take turns (any backbone)
+    BATCHED = "batched"  # cadence.batch.engine.BatchEngine: one forward over every running request
+    AUTO = "auto"  # batched where available, else serial
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class ServeConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "TCP port (0 = any free port)"})
+    served_model_name: str = field(default="", metadata={
+        "help": "model id clients must send (and /v1/models lists); default: the model's name"})
+    max_batch: int = field(default=8, metadata={"help": "requests decoding at once (the engine's batch)"})
+    max_queue: int = field(default=32, metadata={
+        "help": "requests waiting for a slot beyond --max-batch; more are answered 429"})
+    batching: Batching = field(default=Batching.AUTO, metadata={
+        "help": "serial (requests take turns, any backbone), batched (one forward over all running "
+                "requests; needs cadence.batch.engine), auto (batched where available, else serial)"})
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "help": "seconds shutdown waits for requests in flight to finish before cancelling them"})
+    log_level: str = field(default="info", metadata={"help": "uvicorn log level: critical | error | warning | info | debug"})
+
+    def __post_init__(self):
+        self.batching = Batching(self.batching)
+        if not 0 <= self.port <= 65535:
+            raise CadenceError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_batch < 1:
+            raise CadenceError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise CadenceError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.log_level not in LOG_LEVELS:
+            raise CadenceError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.shutdown_timeout < 0:
+            raise CadenceError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")

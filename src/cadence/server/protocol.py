@@ -1,0 +1,244 @@
+"""OpenAI's wire format for the endpoints ``cadence serve`` offers.
+
+Knows: the request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic
+models, strict types: ``"max_tokens": "5"`` is an error, not 5), the extra body field
+``cadence`` (per-request speculation options), the response objects, the streamed
+chunks (server-sent events) and the error shape ``{"error": {"message", "type",
+"param", "code"}}``. Does not know engines, tokenizers or HTTP routing.
+
+Unknown fields are ignored (clients send ``user`` and the like); known ones that cadence
+cannot honour (``n`` > 1, ``logprobs``, ``echo``, penalties, tools) are refused with a
+400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cadence.verify import Rule
+
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: HTTP ``status`` and the error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CadenceOptions(_Strict):
+    """Per-request speculation options (extra body field ``cadence``); omitted ones take
+    the server's configuration. Example: ``{"scheduler": "static", "tree": "chain-2",
+    "rule": "greedy"}``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    scheduler: str | None = Field(None, description="a name from cadence.schedulers.registry, or auto")
+    tree: str | None = Field(None, description="--tree: auto, auto-N or a preset (root, chain-D, tree-N)")
+    rule: Rule | None = Field(None, description="verification rule: auto, greedy, speculative, typical, relaxed")
+    drift: float | None = Field(None, ge=0, description="--rule relaxed: drift budget in nats (lossy)")
+    top_m: int | None = Field(None, ge=1, description="--rule relaxed: top-M at the parent (lossy)")
+
+    @field_validator("rule", mode="before")
+    @classmethod
+    def _rule(cls, v):
+        return Rule(v) if isinstance(v, str) else v  # strict mode takes no str for an enum
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1, le=1, description="one choice per request")
+    presence_penalty: float | None = Field(0.0, ge=0, le=0, description="not supported: 0 only")
+    frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="not supported: 0 only")
+    user: str | None = None
+    cadence: CadenceOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...] | None:
+        if self.stop is None:
+            return None
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = Field(False, description="not supported")
+    logprobs: int | None = Field(None, ge=0, le=0, description="not supported")
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (a list of one string, a string, or token ids)")
+            return v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("empty prompt")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(False, description="not supported")
+    tools: list | None = None
+    response_format: dict | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _some_text(cls, v):
+        if not any(m.text.strip() for m in v):
+            raise ValueError("every message is empty")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is supported')
+        return v
+
+    @model_validator(mode="after")
+    def _max_tokens(self):
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+# ------------------------------------------------------------------ responses
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(rid: str, model: str, chat: bool, text: str, finish_reason: str | None,
+             use: dict, created: int, extra: dict | None = None) -> dict:
+    """The whole (non-streamed) completion object."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+           "model": model, "choices": [choice], "usage": use}
+    if extra:
+        out.update(extra)
+    return out
+
+
+def chunk(rid: str, model: str, chat: bool, created: int, text: str | None = None,
+          finish_reason: str | None = None, role: bool = False, use: dict | None = None) -> dict:
+    """One streamed chunk. ``use`` alone (no text, no finish): the final usage chunk,
+    whose ``choices`` is empty as in OpenAI's ``include_usage``."""
+    if use is not None:
+        choices = []
+    elif chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    else:
+        choices = [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": use}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line (``[DONE]`` as is)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,363 @@
+"""Attention-bearing heads (eagle, mtp-attn): lossless in the engine, a correct per-request
+KV cache, training in sequence mode, save / load and malformed checkpoints.
+
+Tiny random backbones (``tiny.py``). "Random" heads accept (almost) nothing; "oracle" heads
+run the real attention path (the cache, the tree entries) and then have their logits
+replaced by the backbone's known greedy continuation, so every rank-0 draft is accepted.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_sampling_lossless import N_NEW, PROMPT, V, exact_joint, gof, sample_joint
+from test_training_support import base_config, make_data, tiny_model_dir
+from tiny import tiny_backbone
+
+from cadence.backbone import load_backbone
+from cadence.context_copy import CopyConfig
+from cadence.drafter import HeadDrafter
+from cadence.engine import Engine, GenerationConfig
+from cadence.errors import CadenceError
+from cadence.heads import load_heads, new_heads, save_heads
+from cadence.heads.eagle import EagleHeads
+from cadence.heads.mtp_attn import MTPAttnHeads
+from cadence.schedulers import StaticScheduler
+from cadence.trees import compile_tree, preset
+
+KINDS = ("eagle", "mtp-attn")
+PROMPTS = ([5, 9, 11, 3, 7, 9, 11, 3], [40, 41, 42, 43, 40, 41], [7] * 12 + [100, 101, 7, 7])
+
+
+@pytest.fixture(scope="module")
+def backbones():
+    return {arch: tiny_backbone(arch) for arch in ("llama", "qwen2")}
+
+
+def engine_for(bb, heads, tree: str, copy: bool = False, depth: int = 3):
+    drafter = HeadDrafter(heads, CopyConfig() if copy else None, copy_depth=depth)
+    compiled = compile_tree(preset(tree, drafter.max_depth(GenerationConfig().sampling)), name=tree)
+    return Engine(bb, drafter, lambda sampling: StaticScheduler(compiled))
+
+
+_REFS: dict = {}
+
+
+def reference(bb, prompt, n=48):
+    """Plain greedy output (memoised per backbone, prompt and length)."""
+    key = (id(bb), tuple(prompt), n)
+    if key not in _REFS:
+        _REFS[key] = Engine(bb).generate(prompt, GenerationConfig(max_new_tokens=n)).tokens
+    return _REFS[key]
+
+
+class _Oracle:
+    """Mixin: after the real tree step, logits put the backbone's greedy continuation first."""
+
+    def arm(self, reference: list[int], prompt_len: int, vocab: int):
+        self.ref, self.plen, self.vocab_n = reference, prompt_len, vocab
+        return self
+
+    def begin_draft(self, cache, pending, seq):
+        self._seq = list(seq)  # committed context + root
+        self._path = {}
+        return super().begin_draft(cache, pending, seq)
+
+    def tree_step(self, k, prev, tokens, ctx, nodes, parents):
+        out = super().tree_step(k, prev, tokens, ctx, nodes, parents)
+        self._rows = []
+        for node, p, tok in zip(nodes, parents, tokens.tolist()):
+            path = [] if k == 1 else self._path[p] + [tok]
+            self._path[node] = path
+            idx = len(self._seq) + len(path) - self.plen  # reference index of the node's child
+            right = self._seq[self.plen:] + path == self.ref[:idx]
+            self._rows.append(self.ref[idx] if right and idx < len(self.ref) else None)
+        return out
+
+    def draft_logits(self, feats):
+        logits = super().draft_logits(feats).clone()
+        for i, want in enumerate(getattr(self, "_rows", [])):
+            if want is not None:
+                logits[i, want] = logits[i].max() + 10.0
+        return logits
+
+
+class OracleEagle(_Oracle, EagleHeads):
+    pass
+
+
+class OracleMTPAttn(_Oracle, MTPAttnHeads):
+    pass
+
+
+def oracle_heads(bb, kind, ref, plen):
+    base = new_heads(kind, bb, 3, random=True, seed=3)
+    cls = OracleEagle if kind == "eagle" else OracleMTPAttn
+    heads = cls(base.cfg)
+    heads.load_state_dict(base.state_dict())
+    return heads.bind(bb).arm(ref, plen, bb.vocab_size)
+
+
+# ------------------------------------------------------------------ greedy: byte-identical
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))
+def test_random_heads_greedy_identical(backbones, kind, arch):
+    bb = backbones[arch]
+    heads = new_heads(kind, bb, 3, random=True, seed=1)
+    for tree, copy in (("chain", False), ("tree-8", False), ("tree-16", True), ("chain", True)):
+        eng = engine_for(bb, heads, tree, copy)
+        for prompt in PROMPTS:
+            out = eng.generate(prompt, GenerationConfig(max_new_tokens=48))
+            assert out.tokens == reference(bb, prompt), (kind, arch, tree, copy, prompt)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_heads_accept_everything_and_stay_identical(backbones, kind):
+    bb = backbones["llama"]
+    for prompt in PROMPTS:
+        ref = reference(bb, prompt)
+        for tree in ("chain", "tree-8"):
+            heads = oracle_heads(bb, kind, ref, len(prompt))
+            out = engine_for(bb, heads, tree).generate(prompt, GenerationConfig(max_new_tokens=48))
+            assert out.tokens == ref
+            # every step accepts all K drafts (except where EOS or the budget ends it)
+            assert out.stats.tau > 3.5, (kind, tree, out.stats.tau)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_interleaved_requests_keep_separate_states(backbones, kind):
+    bb = backbones["llama"]
+    eng = engine_for(bb, new_heads(kind, bb, 3, random=True, seed=2), "tree-8")
+    reqs = [eng.start(p, GenerationConfig(max_new_tokens=32)) for p in PROMPTS]
+    while not all(r.done for r in reqs):
+        for r in reqs:
+            r.step()
+    assert [r.tokens for r in reqs] == [reference(bb, p, 32) for p in PROMPTS]
+
+
+# ------------------------------------------------------------------ sampling: distribution-identical
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_distribution_identical(kind):
+    bb = tiny_backbone("llama", vocab=V, tokenizer=False, seed=1)
+    cfg = GenerationConfig(max_new_tokens=N_NEW, temperature=1.0)
+    heads = new_heads(kind, bb, 3, random=True, seed=5, ).eval()
+    with torch.no_grad():  # gentler random heads: q overlaps p, so drafts are sometimes accepted
+        for p in heads.parameters():
+            p.mul_(0.3)
+    eng = engine_for(bb, heads, "tree-8")
+    counts, tau = sample_joint(eng, cfg, 700)
+    joint = exact_joint(bb, cfg.sampling)
+    gof(counts, joint, f"{kind} joint")
+    gof(counts.sum((0, 2)), joint.sum((0, 2)), f"{kind} token 2")
+    gof(counts.sum((0, 1)), joint.sum((0, 1)), f"{kind} token 3")
+    assert tau > 1.0  # some drafts were accepted, so verification did something
+
+
+# ------------------------------------------------------------------ the head cache
+
+def _teacher(heads, bb, ids):
+    with torch.no_grad():
+        return heads.train_features(bb.forward(ids, need_logits=False).hidden, ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafting_equals_teacher_forcing_after_uneven_commits(backbones, kind):
+    """Drafting the true path with a cache grown in uneven commits (prefill, then accepted
+    paths of several lengths) gives, at every depth, the training features of that position:
+    the cache holds exactly the committed entries and the tree masks match training."""
+    bb = backbones["llama"]
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (1, 40))
+    hidden = bb.forward(ids, need_logits=False).hidden[0]
+    heads = new_heads(kind, bb, 3, random=True, seed=1).eval()
+    ref = _teacher(heads, bb, ids)
+    drafter = HeadDrafter(heads)
+    state = drafter.new_state()
+    drafter.commit(state, hidden[:6], ids[0, :6].tolist())
+    done = 6
+    for t in (7, 8, 12, 13, 20, 31):  # commits of 2, 1, 4, 1, 7, 11 tokens
+        drafter.commit(state, hidden[done:t + 1], ids[0, done:t + 1].tolist())
+        done = t + 1
+        with torch.inference_mode():
+            ctx = drafter._begin(state, hidden[t], ids[0, :t + 1].tolist(), int(ids[0, t + 1]))
+            prev = heads.init_state(hidden[t][None])
+            for k in range(1, 4):
+                s = heads.tree_step(k, prev, ids[0, t + k:t + k + 1], ctx, [k - 1], [k - 2])
+                f = heads.tree_logits_features(k, s)
+                torch.testing.assert_close(f[0], ref[k - 1][0, t], atol=1e-4, rtol=1e-4)
+                prev = s
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_after_engine_run_equals_cache_from_scratch(backbones, kind):
+    """After a request ran (drafts accepted and rejected, caches compacted), drafting a tree
+    from its state equals drafting from a fresh state given the same committed context."""
+    bb = backbones["llama"]
+    prompt = PROMPTS[0]
+    ref = reference(bb, prompt)
+    heads = oracle_heads(bb, kind, ref, len(prompt))
+    heads.ref = ref[:20] + [(x + 1) % 256 for x in ref[20:]]  # right for a while, then wrong
+    eng = engine_for(bb, heads, "tree-8")
+    req = eng.start(prompt, GenerationConfig(max_new_tokens=48))
+    while len(req.tokens) < 30:  # stop mid-request: the state must serve the next draft
+        req.step()
+    assert req.tokens == ref[:len(req.tokens)] and not req.done
+    assert req.stats.accepted_at_depth[0] > 0 and min(s.accepted for s in req.stats.step_log) < 3
+    plain = new_heads(kind, bb, 3, random=True, seed=3)  # the same weights, no oracle
+    drafter = HeadDrafter(plain)
+    tree = compile_tree(preset("tree-16", 3), name="t16")
+    context = list(req.context)
+    hidden = bb.forward(torch.tensor([context]), need_logits=False).hidden[0]
+    fresh = drafter.new_state()
+    drafter.commit(fresh, hidden, context)
+    old = req.draft_state
+    assert old.committed == len(context)
+    args = (tree, req.root, req.hidden, context, GenerationConfig().sampling, None)
+    a = drafter.draft(*args, state=old)
+    b = drafter.draft(*args, state=fresh)
+    assert torch.equal(a.tokens, b.tokens)
+    kv = (lambda st: st.cache.kv[-1]) if kind == "mtp-attn" else (lambda st: st.cache.kv)
+    assert kv(old).end == kv(fresh).end
+    torch.testing.assert_close(kv(old).k, kv(fresh).k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv(old).v, kv(fresh).v, atol=1e-4, rtol=1e-4)
+
+
+def test_state_out_of_step_is_a_clear_error(backbones):
+    bb = backbones["llama"]
+    drafter = HeadDrafter(new_heads("eagle", bb, 3, random=True))
+    state = drafter.new_state()
+    drafter.commit(state, torch.zeros(3, bb.hidden_size), [1, 2, 3])
+    tree = compile_tree(preset("chain", 3), name="chain")
+    with pytest.raises(ValueError, match="commit"):
+        drafter.draft(tree, 5, torch.zeros(bb.hidden_size), [1, 2, 3, 4], GenerationConfig().sampling, None,
+                      state=state)
+
+
+def test_drafter_without_state_still_drafts(backbones):
+    """Old callers (no state argument) get drafts from h_t and the path alone."""
+    bb = backbones["llama"]
+    drafter = HeadDrafter(new_heads("mtp-attn", bb, 3, random=True))
+    tree = compile_tree(preset("tree-8", 3), name="t8")
+    d = drafter.draft(tree, 5, torch.randn(bb.hidden_size), [1, 2, 3], GenerationConfig().sampling, None)
+    assert d.tokens.shape == (tree.size,)
+
+
+# ------------------------------------------------------------------ save / load, malformed
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_load_round_trip(backbones, kind, tmp_path):
+    bb = backbones["llama"]
+    heads = new_heads(kind, bb, 3, random=True, seed=4)
+    heads.set_draft_vocab(torch.arange(0, 200))
+    save_heads(heads, tmp_path)
+    back = load_heads(tmp_path, bb)
+    assert back.cfg == heads.cfg and isinstance(back, type(heads))
+    for prompt in PROMPTS:
+        for tree in ("chain", "tree-8"):
+            a = engine_for(bb, heads, tree).generate(prompt, GenerationConfig(max_new_tokens=24))
+            b = engine_for(bb, back, tree).generate(prompt, GenerationConfig(max_new_tokens=24))
+            assert a.tokens == b.tokens and a.stats.accepted_at_depth == b.stats.accepted_at_depth
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_malformed_checkpoints_are_clear_errors(backbones, kind, tmp_path):
+    bb = backbones["llama"]
+    save_heads(new_heads(kind, bb, 2, random=True), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    bad = dict(cfg, num_attention_heads=0)  # no attention shape
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CadenceError, match="attention shape"):
+        load_heads(tmp_path, bb)
+    bad = dict(cfg, head_dim=cfg["head_dim"] * 2)  # weights no longer fit the config
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CadenceError, match="corrupt or does not match"):
+        load_heads(tmp_path, bb)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "heads.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CadenceError):
+        load_heads(tmp_path, bb)
+
+
+def test_attention_heads_refuse_per_position_stepping(backbones):
+    bb = backbones["llama"]
+    heads = new_heads("eagle", bb, 3, random=True)
+    with pytest.raises(CadenceError, match="MLP heads only"):
+        heads.step_features(1, torch.zeros(1, bb.hidden_size), torch.zeros(1, dtype=torch.long))
+
+
+# ------------------------------------------------------------------ training (sequence mode)
+
+@pytest.fixture(scope="module")
+def train_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attn-train")
+    model = tiny_model_dir(root)
+    return {"root": root, "model": model, "data": make_data(root / "data"), "backbone": load_backbone(str(model))}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_learns_and_resumes(train_env, kind):
+    from cadence.training.trainer import train
+
+    env = train_env
+    kw = dict(kind=kind, steps=12, eval_every=6, save_every=4, feature_loss=0.5 if kind == "eagle" else 0.0)
+    full = train(base_config(env["data"], env["root"] / f"{kind}-full", env["model"], **kw), backbone=env["backbone"])
+    assert full.status == "finished"
+    first = full.summary["heldout"]["top1"]
+    out = env["root"] / f"{kind}-resumed"
+    part = train(base_config(env["data"], out, env["model"], stop_after=5, **kw), backbone=env["backbone"])
+    assert part.status == "stopped"
+    rest = train(base_config(env["data"], out, env["model"], **kw), backbone=env["backbone"])
+    assert all(torch.equal(a, b) for a, b in zip(full.heads.state_dict().values(), rest.heads.state_dict().values()))
+    loaded = load_heads(env["root"] / f"{kind}-full" / "heads", env["backbone"])
+    assert loaded.cfg.kind == kind and len(first) == 3
+    log = [json.loads(x) for x in (env["root"] / f"{kind}-full" / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if r["kind"] == "train"]
+    assert losses[-1] < losses[0]  # it learns
+
+
+def test_segments_whole_keeps_the_prompt(train_env):
+    from cadence.training.batches import Corpus, segments
+    from cadence.training.data import load_manifest
+
+    data = train_env["data"]
+    files = [s["file"] for s in load_manifest(data)["shards"] if s.get("split", "train") == "train"]
+    corpus = Corpus(data, files)
+    cut = segments(corpus, 3, 512)
+    whole = segments(corpus, 3, 512, whole=True)
+    assert all(s.start == 0 for s in whole)
+    assert any(c.start > 0 for c in cut) and sum(s.length for s in whole) > sum(s.length for s in cut)
+
+
+def test_feature_regression_is_zero_for_perfect_features():
+    from cadence.training.losses import Batch, feature_regression
+
+    torch.manual_seed(0)
+    B, T, d = 2, 10, 4
+    hidden = torch.randn(B, T, d)
+    seg = torch.zeros(B, T, dtype=torch.long)
+    batch = Batch(ids=torch.zeros(B, T, dtype=torch.long), seg=seg, reply=torch.ones(B, T, dtype=torch.bool),
+                  hidden=hidden)
+    perfect = [hidden[:, k:T - 1] for k in (1, 2)]
+    assert float(feature_regression(perfect, batch)) == 0.0
+    assert float(feature_regression([f + 1 for f in perfect], batch)) > 0.5
+    np.testing.assert_allclose(float(feature_regression([perfect[0] + 1], batch)), 0.5, rtol=1e-6)
+
+
+def test_trainer_bounds_the_c_heap(train_env, monkeypatch):
+    """The 16 GiB mtp run: glibc's growing mmap threshold let the heap fragment every step.
+    train() must fix the threshold before the first step (cadence.training.heap)."""
+    import cadence.training.heap as heap
+    from cadence.training.trainer import train
+
+    calls = []
+    monkeypatch.setattr(heap, "bound_heap", lambda *a, **k: calls.append(1) or True)
+    env = train_env
+    train(base_config(env["data"], env["root"] / "heap", env["model"], kind="mtp", steps=1), backbone=env["backbone"])
+    assert calls, "train() did not bound the C heap"
+    import sys
+    if sys.platform.startswith("linux"):
+        import ctypes
+        assert ctypes.CDLL("libc.so.6").mallopt(heap.M_MMAP_THRESHOLD, 1 << 20) == 1  # glibc takes it

@@ -1,0 +1,111 @@
+"""``cadence export``: eagle heads in vLLM's / SGLang's llama_eagle layout.
+
+No vLLM / SGLang here: the exported tensors are loaded into a plain transformers
+``LlamaDecoderLayer`` (input norm replaced by the identity, as both servers do for layer 0)
+and an ``nn.Linear`` fc, and must reproduce the heads' own depth-1 features; importing the
+directory back must give identical drafts.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import tiny_backbone
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from cadence.cli import main
+from cadence.drafter import HeadDrafter
+from cadence.engine import Engine, GenerationConfig
+from cadence.errors import CadenceError
+from cadence.export import export_heads, import_eagle
+from cadence.heads import new_heads, save_heads
+from cadence.schedulers import StaticScheduler
+from cadence.trees import compile_tree, preset
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    bb = tiny_backbone("llama")
+    heads = new_heads("eagle", bb, 3, random=True, seed=7)
+    save_heads(heads, root / "heads", dtype=torch.bfloat16)
+    from cadence.heads import load_heads
+
+    heads = load_heads(root / "heads", bb)  # the bf16-rounded weights, as shipped
+    return {"root": root, "bb": bb, "heads": heads}
+
+
+def test_vllm_layout_reproduces_features_in_transformers(setup):
+    root, bb, heads = setup["root"], setup["bb"], setup["heads"]
+    out = export_heads(root / "heads", "vllm-eagle", root / "vllm", bb.config.to_dict())
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["EagleLlamaForCausalLM"] and conf["num_hidden_layers"] == 1
+    w = load_file(str(out / "model.safetensors"))
+    H = bb.hidden_size
+    assert w["fc.weight"].shape == (H, 2 * H)
+    assert not any(k.startswith("layers.0.input_layernorm") or "embed" in k or "lm_head" in k for k in w)
+    assert {k for k in w if k.startswith("layers.0.")} == {
+        f"layers.0.{n}" for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                  "mlp.down_proj.weight", "post_attention_layernorm.weight")}
+    # a plain transformers layer built from the exported config, fed as vLLM feeds it
+    keep = {k: v for k, v in conf.items() if k != "cadence"}
+    cfg = LlamaConfig(**keep)
+    cfg._attn_implementation = "eager"
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).float()
+    layer.input_layernorm = torch.nn.Identity()
+    layer.load_state_dict({k[len("layers.0."):]: v.float() for k, v in w.items() if k.startswith("layers.0.")},
+                          strict=False)
+    fc = torch.nn.Linear(2 * H, H, bias=False)
+    fc.weight.data = w["fc.weight"].float()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (1, 24))
+    hidden = bb.forward(ids, need_logits=False).hidden
+    T = ids.shape[1] - 1
+    x = fc(torch.cat([bb.embed(ids[:, 1:]), hidden[:, :T]], dim=-1))
+    pos = torch.arange(T)[None]
+    cos_sin = LlamaRotaryEmbedding(cfg)(x, pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        theirs = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+        ours = heads.train_features(hidden, ids)[0]
+    torch.testing.assert_close(theirs[:, :ours.shape[1]], ours, atol=2e-2, rtol=2e-2)  # bf16 export
+
+
+def test_round_trip_gives_identical_drafts(setup):
+    root, bb, heads = setup["root"], setup["bb"], setup["heads"]
+    out = export_heads(root / "heads", "vllm-eagle", root / "rt")
+    back = import_eagle(out, bb)
+    tree = compile_tree(preset("tree-8", 3), name="t8")
+    outs = [Engine(bb, HeadDrafter(h), lambda s: StaticScheduler(tree)).generate(
+        [5, 9, 11, 3, 7, 9, 11, 3], GenerationConfig(max_new_tokens=32)) for h in (heads, back)]
+    assert outs[0].tokens == outs[1].tokens
+    assert [s.accepted for s in outs[0].stats.step_log] == [s.accepted for s in outs[1].stats.step_log]
+    ids = torch.randint(0, 256, (1, 16))
+    hidden = bb.forward(ids, need_logits=False).hidden
+    with torch.no_grad():
+        for a, b in zip(heads.train_features(hidden, ids), back.train_features(hidden, ids)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_sglang_layout_has_fc_bias_and_its_architecture(setup):
+    root = setup["root"]
+    out = export_heads(root / "heads", "sglang-eagle", root / "sgl")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    w = load_file(str(out / "model.safetensors"))
+    assert torch.equal(w["fc.bias"], torch.zeros_like(w["fc.bias"]))
+
+
+def test_other_kinds_and_bad_input_are_refused(setup, tmp_path, capsys):
+    bb = setup["bb"]
+    save_heads(new_heads("mtp-attn", bb, 2, random=True), tmp_path / "m")
+    with pytest.raises(CadenceError, match="only eagle heads"):
+        export_heads(tmp_path / "m", "vllm-eagle", tmp_path / "o")
+    with pytest.raises(CadenceError, match="not a heads directory"):
+        export_heads(tmp_path / "nothing", "vllm-eagle", tmp_path / "o")
+    rc = main(["export", "--heads", str(tmp_path / "m"), "--format", "vllm-eagle", "--out", str(tmp_path / "o"),
+               "--model", ""])
+    assert rc == 2 and "only eagle heads" in capsys.readouterr().err
