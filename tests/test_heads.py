@@ -79,7 +79,7 @@ def test_new_heads_errors(llama):
     with pytest.raises(CadenceError, match="at least one head"):
         new_heads("hydra", llama, 0)
     with pytest.raises(CadenceError, match="unknown head type"):
-        new_heads("eagle", llama, 2)
+        new_heads("bogus", llama, 2)
 
 
 def drafts(heads, bb, tree_name="tree-16"):
@@ -239,3 +239,19 @@ def test_draft_vocab_survives_save_and_load(llama, tmp_path):
     (g1, s1), (g2, s2) = drafts(loaded, llama, "tree-8"), drafts(plain, llama, "tree-8")
     assert torch.equal(g1.tokens, g2.tokens) and torch.equal(s1.tokens, s2.tokens)
     assert set(g1.tokens[1:].tolist()) <= set(SUBSET.tolist())
+
+
+def test_draft_logits_kernel_matches_the_matmul(llama):
+    """Decoding uses a prepacked kernel for the draft vocabulary; training the plain
+    matmul: both give the same logits."""
+    from cadence.heads import new_heads
+    heads = new_heads("hydra", llama, num_heads=2)
+    heads.set_draft_vocab(torch.arange(0, llama.config.vocab_size, 3))
+    heads.bind(llama)
+    feats = torch.randn(3, llama.config.hidden_size)
+    with torch.no_grad():
+        fast = heads.draft_logits(feats)
+    with torch.enable_grad():
+        plain = heads.draft_logits(feats)
+    assert fast.shape == plain.shape == (3, len(heads.draft_vocab))
+    torch.testing.assert_close(fast, plain.detach(), rtol=1e-4, atol=1e-4)

@@ -6,6 +6,7 @@ output must equal non-streamed output."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -42,9 +43,11 @@ class SlowEngine(SerialEngine):
     """SerialEngine whose steps take at least ``delay`` seconds (requests that last)."""
 
     delay = 0.03
+    steps = 0  # steps taken so far
 
     def step(self):
         time.sleep(self.delay)
+        self.steps += 1
         return super().step()
 
 
@@ -63,12 +66,26 @@ class Served:
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+class Spec24:
+    """The app as an ASGI server of spec 2.4 sees it: Starlette then stops listening for
+    disconnects while it streams, and uvicorn drops writes to a closed connection silently."""
+
+    def __init__(self, app):
+        self.app, self.state = app, app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.4"}}
+        await self.app(scope, receive, send)
+
+
 @contextlib.contextmanager
-def serve(engine, multi, shutdown_timeout: float = 5.0, max_queue: int = 8, spec=SPEC):
+def serve(engine, multi, shutdown_timeout: float = 5.0, max_queue: int = 8, spec=SPEC, wrap=None):
     app = create_app(engine, multi, AppSettings(MODEL, max_queue, DEFAULTS, spec))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = make_server(app, "127.0.0.1", sock.getsockname()[1], shutdown_timeout, log_level="warning")
+    server = make_server(wrap(app) if wrap else app, "127.0.0.1", sock.getsockname()[1], shutdown_timeout,
+                         log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     until(lambda: server.started, 20)
@@ -298,6 +315,25 @@ BAD = [  # (path, raw body, status, param)
     ("m", f'{{"model": "tiny", "messages": [{{"role": "user", "content": "{LONG}"}}]}}', 400, "messages"),
     ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400, "logprobs"),
     ("m", '{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+    # fields cadence cannot honour are refused, never silently dropped
+    ("c", '{"model": "tiny", "prompt": "hi", "logprobs": 0}', 400, "logprobs"),
+    ("c", '{"model": "tiny", "prompt": "hi", "logprobs": 2}', 400, "logprobs"),
+    ("c", '{"model": "tiny", "prompt": "hi", "logit_bias": {"5": -100}}', 400, "logit_bias"),
+    ("c", '{"model": "tiny", "prompt": "hi", "echo": true}', 400, "echo"),
+    ("c", '{"model": "tiny", "prompt": "hi", "best_of": 2}', 400, "best_of"),
+    ("c", '{"model": "tiny", "prompt": "hi", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}', 400,
+     "logit_bias"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', 400,
+     "top_logprobs"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}',
+     400, "functions"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}',
+     400, "tool_choice"),
+    ("m", ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+           '"response_format": {"type": "json_object"}}'), 400, "response_format"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+     400, "messages.0.content.0.type"),
 ]
 
 
@@ -501,6 +537,76 @@ def test_serve_flags_and_missing_extra(monkeypatch):
         command.build(args)
 
 
+def test_narrowing_flags_reach_the_batched_engine(capsys):
+    """--narrow-* flags (derived from NarrowConfig) become the BatchEngine's NarrowConfig;
+    on a serial engine they are reported as ignored."""
+    batch = pytest.importorskip("cadence.batch.engine")
+    from cadence.batch.narrow import NarrowConfig
+    from cadence.cli import build_parser
+    from cadence.cliargs import from_args
+    from cadence.fast import make_fast
+    from cadence.server.command import multi_engine
+    from cadence.server.config import NarrowFlags
+
+    args = build_parser().parse_args(["serve", "--narrow-mode", "root", "--narrow-min-batch", "3",
+                                      "--narrow-max-nodes", "4", "--narrow-margin", "0.2"])
+    flags = from_args(NarrowFlags, args)
+    want = NarrowConfig(mode="root", min_batch=3, max_nodes=4, margin=0.2)
+    assert flags.config() == want
+    assert from_args(NarrowFlags, build_parser().parse_args(["serve"])).config() == NarrowConfig()
+    assert [f.name for f in dataclasses.fields(NarrowFlags)] == [  # a new NarrowConfig field needs a flag
+        "narrow_" + f.name for f in dataclasses.fields(NarrowConfig)]
+    fast = make_engine(make_fast(tiny_backbone("llama"), "fast"), SPEC)
+    multi = multi_engine(fast, "batched", 4, flags)
+    assert isinstance(multi, batch.BatchEngine) and multi.narrow_cfg == want
+    assert multi.narrowing.cap(3, None, 3) == 1 and multi.narrowing.cap(2, None, 3) == 4
+    capsys.readouterr()
+    assert isinstance(multi_engine(fast, "serial", 4, flags), SerialEngine)
+    assert "ignored" in capsys.readouterr().err
+    multi_engine(fast, "serial", 4)
+    assert capsys.readouterr().err == ""
+
+
+def test_serve_build_passes_the_narrowing_flags(monkeypatch):
+    """``cadence serve --batching batched --narrow-*``: the app's engine is a BatchEngine
+    with those settings (the model loader is replaced by the tiny fast model)."""
+    pytest.importorskip("cadence.batch.engine")
+    import cadence.backbone
+    from cadence.cli import build_parser
+    from cadence.fast import make_fast
+    from cadence.server import command
+
+    monkeypatch.setattr(cadence.backbone, "load_backbone", lambda *a, **k: make_fast(tiny_backbone("llama"), "fast"))
+    args = build_parser().parse_args(["serve", "--heads", "random", "--batching", "batched", "--max-batch", "3",
+                                      "--narrow-mode", "root", "--narrow-min-batch", "2", "--narrow-max-nodes", "5"])
+    app, conf = command.build(args)
+    multi = app.state.engine
+    assert type(multi).__name__ == "BatchEngine" and multi.max_batch == conf.max_batch == 3
+    assert (multi.narrow_cfg.mode, multi.narrow_cfg.min_batch, multi.narrow_cfg.max_nodes) == ("root", 2, 5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--narrow-mode", "wide"], "argument --narrow-mode: invalid"),
+    (["--narrow-min-batch", "0"], "--narrow-min-batch must be >= 1"),
+    (["--narrow-min-batch", "two"], "argument --narrow-min-batch: invalid int value"),
+    (["--narrow-max-nodes", "-1"], "--narrow-max-nodes must be >= 0"),
+    (["--narrow-margin", "-0.5"], "--narrow-margin must be a finite number >= 0"),
+    (["--narrow-margin", "nan"], "--narrow-margin must be a finite number >= 0"),
+])
+def test_bad_narrowing_flags_exit_2_before_loading(flags, message, capsys, monkeypatch):
+    from cadence.cli import main
+    from cadence.server import command
+
+    monkeypatch.setattr(command, "build", lambda args: pytest.fail("the model was loaded"))
+    try:
+        code = main(["serve", "--port", "0", *flags])
+    except SystemExit as exc:  # argparse: a bad type or choice
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_real_server_streams_what_generate_prints(tmp_path):
     """`cadence serve` on the default model with shipped heads, in a subprocess: the openai
@@ -542,3 +648,120 @@ def _healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# ------------------------------------------------------------------ disconnect at any point
+
+
+class MuteEngine(SlowEngine):
+    """SlowEngine whose events carry no text but the last: a completion stream sends no
+    chunk before its end (a client can leave before the first chunk)."""
+
+    def step(self):
+        events = super().step()
+        for ev in events:
+            if not ev.finished:
+                ev.text = ""
+        return events
+
+
+@pytest.fixture(scope="module", params=["spec-2.3", "spec-2.4"])
+def mute(vanilla, request):
+    """Served as uvicorn serves it (ASGI spec 2.3), and as a spec-2.4 server would."""
+    wrap = Spec24 if request.param == "spec-2.4" else None
+    with serve(vanilla, MuteEngine(vanilla, max_batch=1), max_queue=1, spec=None, wrap=wrap) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def slow24(vanilla):
+    with serve(vanilla, SlowEngine(vanilla, max_batch=1), max_queue=1, spec=None, wrap=Spec24) as s:
+        yield s
+
+
+def test_disconnect_mid_stream_frees_the_slot_under_asgi_spec_2_4(slow24):
+    """Spec 2.4: nothing tells the stream's generator that its client left (writes to the
+    closed connection are dropped); the request must still leave within about one step."""
+    h, r, _lines = _open_stream(slow24)
+    steps = slow24.multi.steps
+    r.close()
+    h.close()
+    until(lambda: slow24.multi.running == 0 and slow24.app.state.worker.inflight == 0, 3)
+    assert slow24.multi.steps - steps <= 3
+
+
+def _raw_request(served, stream: bool, chat: bool = False, prompt: str = "a", wait: bool = True) -> socket.socket:
+    """A long request (400 tokens) sent over a plain socket, which the caller closes to leave;
+    streamed and ``wait``: returns once the response's headers came (no chunk read)."""
+    body = {"model": MODEL, "max_tokens": 400, "temperature": 0, "stream": stream}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    data = json.dumps(body).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    sock = socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])), timeout=10)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    if stream and wait:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(1)
+        assert head.startswith(b"HTTP/1.1 200"), head
+    return sock
+
+
+def _leave(served, sock, left) -> int:
+    """Close the client's socket; the engine steps taken until ``left()`` (at most 3 s)."""
+    steps = served.multi.steps
+    sock.close()
+    until(left, 3)
+    return served.multi.steps - steps
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_disconnect_before_the_first_chunk_frees_the_slot(mute, chat):
+    """The stream's headers came, no text chunk yet (chat: the role chunk only), the client
+    leaves: the request leaves the engine within about one step (it would run 400)."""
+    before = mute.multi.steps
+    sock = _raw_request(mute, stream=True, chat=chat)
+    until(lambda: mute.multi.running == 1 and mute.multi.steps > before + 2, 5)
+    assert _leave(mute, sock, lambda: mute.multi.running == 0 and mute.app.state.worker.inflight == 0) <= 3
+
+
+@pytest.mark.parametrize("server, stream", [("slow", True), ("slow", False), ("slow24", True)])
+def test_disconnect_while_queued_frees_the_queue_place(server, stream, request):
+    """One request decodes, a second waits for the slot; the waiting one's client leaves:
+    it leaves the queue within about one step, and the first goes on decoding."""
+    slow = request.getfixturevalue(server)
+    h1, r1, _lines = _open_stream(slow)
+    sock = _raw_request(slow, stream=stream, prompt="hi")
+    until(lambda: slow.multi.queued == 1 and slow.app.state.worker.inflight == 2, 5)
+    assert _leave(slow, sock, lambda: slow.multi.queued == 0 and slow.app.state.worker.inflight == 1) <= 3
+    assert slow.multi.running == 1
+    r1.close()
+    h1.close()
+    until(lambda: slow.multi.running == 0 and slow.app.state.worker.inflight == 0, 5)
+
+
+def test_disconnect_of_a_running_plain_request_frees_the_slot_within_a_step(slow):
+    """A non-streamed request decoding; its client leaves: gone within about one step."""
+    before = slow.multi.steps
+    sock = _raw_request(slow, stream=False, prompt="b")
+    until(lambda: slow.multi.running == 1 and slow.multi.steps > before + 2, 5)
+    assert _leave(slow, sock, lambda: slow.multi.running == 0 and slow.app.state.worker.inflight == 0) <= 3
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_before_the_answer_starts_frees_the_slot(slow, stream):
+    """The client leaves while its request is still being admitted (the worker is busy with
+    a long step): the request must not stay in the engine once admitted."""
+    h1, r1, _lines = _open_stream(slow)
+    slow.multi.delay = 1.0  # the next step keeps the worker busy: the add waits behind it
+    try:
+        sock = _raw_request(slow, stream=stream, prompt="hi", wait=False)
+        until(lambda: slow.app.state.worker.inflight == 2, 5)
+    finally:
+        slow.multi.delay = SlowEngine.delay
+    assert _leave(slow, sock, lambda: slow.multi.queued == 0 and slow.app.state.worker.inflight == 1) <= 4
+    assert slow.multi.running == 1
+    r1.close()
+    h1.close()
+    until(lambda: slow.multi.running == 0 and slow.app.state.worker.inflight == 0, 5)

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from cadence.fast.kernels import Linear, resolve_kind
+
 
 @dataclass
 class HeadConfig:
@@ -81,6 +83,7 @@ class DraftHeads(nn.Module):
         self.cfg = cfg
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None  # not a submodule: never saved
         self._draft_weight: torch.Tensor | None = None  # (V', d) rows of W_lm for the draft vocabulary
+        self._draft_kernel = None  # the same rows for decoding (no grad), in the device's fastest layout
         self.register_buffer("draft_vocab", None)  # (V',) long: token ids heads may draft; None = all
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> "DraftHeads":
@@ -101,8 +104,10 @@ class DraftHeads(nn.Module):
         if self.draft_vocab is not None and self._shared is not None:
             w = self._shared[1].weight
             self._draft_weight = w.index_select(0, self.draft_vocab.to(w.device)).contiguous()
+            kind = resolve_kind("auto", w.device, w.dtype)
+            self._draft_kernel = Linear(self._draft_weight, None, kind) if kind != "aten" else None
         else:
-            self._draft_weight = None
+            self._draft_weight = self._draft_kernel = None
 
     @property
     def K(self) -> int:
@@ -153,6 +158,9 @@ class DraftHeads(nn.Module):
         if self._draft_weight is None:
             return self.lm_logits(feats)
         w = self._draft_weight
+        if self._draft_kernel is not None and not torch.is_grad_enabled():
+            # prepacked oneDNN on CPU: 8192 x 576 at one row, 0.3 ms against 1.2 ms for ``@``
+            return self._draft_kernel(feats.to(w.dtype)).float()
         return (feats.to(w.dtype) @ w.T).float()
 
     def step_features(self, k: int, state, token):

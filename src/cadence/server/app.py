@@ -35,7 +35,7 @@ from cadence.server.options import Schedulers, encode, generation_config
 from cadence.server.worker import Failure, Overloaded, ShuttingDown, Stream, Worker
 
 log = logging.getLogger(__name__)
-DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often to check that the client is still there
+GONE = object()  # put into a request's queue when its client disconnected
 
 
 @dataclass
@@ -113,16 +113,28 @@ def create_app(engine: Engine, multi: MultiEngine, settings: AppSettings) -> Fas
     return app
 
 
+UNION_TAGS = ("str", "list[str]", "list[int]", "list[TextPart]", "dict[any,any]")  # pydantic's branch names
+
+
+def _path(error: dict) -> list[str]:
+    return [str(p) for p in error.get("loc", ()) if p != "body" and p not in UNION_TAGS]
+
+
 def validation_error(exc: RequestValidationError) -> P.ApiError:
-    """pydantic's first complaint as a 400; ``param`` is the field's dotted path.
-    Example: loc ("body", "messages", 0, "role") -> param "messages.0.role"."""
+    """pydantic's first complaint as a 400; ``param`` is the field's dotted path. Of a
+    union's complaints (one per branch), the one deepest inside the field (it names
+    the part that is wrong). Example: content [{"type": "image_url"}] -> loc ("body",
+    "messages", 0, "content", "str") and (..., "content", "list[TextPart]", 0, "type")
+    -> param "messages.0.content.0.type", "Input should be 'text'"."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return P.ApiError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
                           code="invalid_json")
-    param = ".".join(p for p in loc if p not in ("str", "list[str]", "list[int]", "list[TextPart]")) or None
+    head = _path(first)
+    same = [e for e in errors if _path(e)[:len(head)] == head]
+    first = max(same, key=lambda e: len(_path(e)), default=first)  # max keeps the first of equals
+    param = ".".join(_path(first)) or None
     msg = first.get("msg", "invalid request")
     if param is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
         msg = "the body must be a JSON object (Content-Type: application/json)"
@@ -172,28 +184,21 @@ class Service:
         rid, created = P.new_id(chat), P.now()
         if body.stream:
             self.metrics.answer(request.url.path, 200)
-            return StreamingResponse(self._events(stream, rid, created, chat, body.include_usage),
+            watch = self._watch(request, stream)  # now: the generator may never start
+            return StreamingResponse(self._events(stream, watch, rid, created, chat, body.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(stream, request, rid, created, chat)
 
     async def _collect(self, stream: Stream, request: Request, rid: str, created: int, chat: bool):
         """Wait for the whole result; a client that leaves meanwhile aborts the request."""
         texts, n = [], 0
-        loop = asyncio.get_running_loop()
-        checked = loop.time()
+        watch = self._watch(request, stream)
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    item = None
-                if loop.time() - checked >= DISCONNECT_POLL_S:  # events may never pause: check on time
-                    checked = loop.time()
-                    if await request.is_disconnected():
-                        self.metrics.answer(request.url.path, 499)
-                        return Response(status_code=499)
-                if item is None:
-                    continue
+                item = await stream.queue.get()
+                if item is GONE:
+                    self.metrics.answer(request.url.path, 499)
+                    return Response(status_code=499)
                 if isinstance(item, Failure):
                     raise P.ApiError(item.status, item.message, item.type)
                 if item.finish_reason == "error":
@@ -203,21 +208,45 @@ class Service:
                 if item.finished:
                     break
         finally:
+            watch.cancel()
             self.worker.cancel(stream)
         extra = {"cadence": _stats(item)} if item.stats is not None else None
         return self.answer(request, P.response(rid, self.settings.model_name, chat, "".join(texts),
                                                item.finish_reason, P.usage(stream.prompt_tokens, n), created, extra))
 
-    async def _events(self, stream: Stream, rid: str, created: int, chat: bool, include_usage: bool):
+    def _watch(self, request: Request, stream: Stream) -> asyncio.Task:
+        """A task that waits for the client to leave, then aborts ``stream``'s request at
+        once (queued or decoding: the worker drops it before its next step) and wakes its
+        handler with ``GONE``. Started before any byte of the answer is sent, so a client
+        that leaves at any point (queued, before the first chunk, mid-stream, before a
+        plain answer) frees its slot whatever the ASGI server does with writes to a closed
+        connection; the handler cancels it when it is done."""
+
+        async def watch() -> None:
+            try:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass  # the body was read already: nothing else comes before the disconnect
+            except Exception:  # a receive that fails: the connection is gone too
+                log.debug("receive failed while watching for a disconnect", exc_info=True)
+            self.worker.cancel(stream)
+            stream.queue.put_nowait(GONE)
+
+        return asyncio.get_running_loop().create_task(watch(), name="cadence-disconnect-watch")
+
+    async def _events(self, stream: Stream, watch: asyncio.Task, rid: str, created: int, chat: bool,
+                      include_usage: bool):
         """Server-sent events: a role chunk (chat), text chunks, a finish chunk, the usage
         chunk when asked for, ``[DONE]``. A failure after the start becomes an error event
-        (OpenAI clients raise it). Leaving early (the client went away) aborts the request."""
+        (OpenAI clients raise it). ``watch`` (``_watch``) aborts the request when the client
+        leaves, whether or not this generator ever runs."""
         model, n = self.settings.model_name, 0
         try:
             if chat:
                 yield P.sse(P.chunk(rid, model, chat, created, role=True))
             while True:
                 item = await stream.queue.get()
+                if item is GONE:  # the client left: nothing more to send
+                    return
                 if isinstance(item, Failure) or item.finish_reason == "error":
                     msg = item.message if isinstance(item, Failure) else f"the request failed: {item.error}"
                     yield P.sse(P.error_body(msg, "server_error", code=str(getattr(item, "status", 500))))
@@ -232,6 +261,7 @@ class Service:
                     break
             yield P.sse("[DONE]")
         finally:  # also on cancellation (client disconnect) and generator close
+            watch.cancel()
             self.worker.cancel(stream)
 
 

@@ -1,6 +1,6 @@
 """``cadence serve``: load the model, build the engine, serve it with uvicorn.
 
-Knows: the subcommand's flags (from ``ServeConfig``, ``MethodSpec`` and
+Knows: the subcommand's flags (from ``ServeConfig``, ``NarrowFlags``, ``MethodSpec`` and
 ``GenerationConfig``, whose values are the per-request defaults), the one place where
 the multi-request engine is chosen (``multi_engine``), and that FastAPI / uvicorn /
 prometheus-client come with the ``serve`` extra (imported only when the command runs).
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 
 from cadence.cliargs import add_fields, from_args
 from cadence.errors import CadenceError
-from cadence.server.config import Batching, ServeConfig
+from cadence.server.config import Batching, NarrowFlags, ServeConfig
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -30,34 +31,44 @@ def register(subparsers) -> None:
                     "Generation flags set the defaults of requests that do not say otherwise.")
     _add_model_args(p)
     add_fields(p, ServeConfig)
+    add_fields(p, NarrowFlags)
     add_fields(p, MethodSpec)
     add_fields(p, GenerationConfig, exclude=("seed",),  # a request without seed gets a fresh one
                defaults={"temperature": 1.0, "max_new_tokens": 256})
     p.set_defaults(func=run)
 
 
-def multi_engine(engine, batching: Batching, max_batch: int):
+def multi_engine(engine, batching: Batching, max_batch: int, narrow: NarrowFlags | None = None):
     """The ``MultiEngine`` over ``engine``: ``serial`` (any backbone), ``batched``
-    (``cadence.batch.engine.BatchEngine``; a clear error while it is missing or refuses
-    this backbone) or ``auto`` (batched where it works, else serial)."""
-    from cadence.batch.serial import SerialEngine
-
+    (``cadence.batch.engine.BatchEngine`` with ``narrow``'s settings; a clear error while
+    it is missing or refuses this backbone) or ``auto`` (batched where it works, else
+    serial). Narrowing flags set on a serial engine are reported as ignored (stderr)."""
+    narrow = narrow or NarrowFlags()
     batching = Batching(batching)
     if batching is Batching.SERIAL:
-        return SerialEngine(engine, max_batch=max_batch)
+        return _serial(engine, max_batch, narrow)
     try:
         from cadence.batch.engine import BatchEngine
     except ImportError as exc:
         if batching is Batching.AUTO:
-            return SerialEngine(engine, max_batch=max_batch)
+            return _serial(engine, max_batch, narrow)
         raise CadenceError(f"--batching batched needs cadence.batch.engine, which this install lacks "
                            f"({exc}); use --batching serial") from exc
     try:
-        return BatchEngine.from_engine(engine, max_batch=max_batch)
+        return BatchEngine.from_engine(engine, max_batch=max_batch, narrow=narrow.config())
     except CadenceError:
         if batching is Batching.AUTO:
-            return SerialEngine(engine, max_batch=max_batch)
+            return _serial(engine, max_batch, narrow)
         raise
+
+
+def _serial(engine, max_batch: int, narrow: NarrowFlags):
+    from cadence.batch.serial import SerialEngine
+
+    if not narrow.is_default:
+        print("cadence: note: --narrow-* flags apply to the batched engine only; this server runs "
+              "requests in turn (SerialEngine), so they are ignored", file=sys.stderr, flush=True)
+    return SerialEngine(engine, max_batch=max_batch)
 
 
 def _need_extra() -> None:
@@ -75,11 +86,12 @@ def build(args: argparse.Namespace):
     from cadence.server.app import AppSettings, create_app
 
     conf = from_args(ServeConfig, args)
+    narrow = from_args(NarrowFlags, args)
     spec = from_args(MethodSpec, args)
     defaults = from_args(GenerationConfig, args)  # validated now: bad defaults exit 2
     backbone = load_backbone(args.model, args.dtype, args.device, args.backend)
     engine = make_engine(backbone, spec)
-    multi = multi_engine(engine, conf.batching, conf.max_batch)
+    multi = multi_engine(engine, conf.batching, conf.max_batch, narrow)
     settings = AppSettings(model_name=conf.served_model_name or backbone.name, max_queue=conf.max_queue,
                            defaults=defaults, spec=spec if spec.method.value != "vanilla" else None)
     return create_app(engine, multi, settings), conf
@@ -92,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from cadence.server.runner import listen, make_server
 
     conf = from_args(ServeConfig, args)
+    from_args(NarrowFlags, args)  # bad flags fail now, before the model loads
     sock = listen(conf.host, conf.port)  # a port in use fails now, before the model loads
     app, conf = build(args)
     port = sock.getsockname()[1]

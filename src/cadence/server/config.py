@@ -1,15 +1,20 @@
 """Settings of ``cadence serve``; its CLI flags derive from these fields.
 
 Knows: where to listen, the limits (requests decoding at once, requests waiting), how
-the multi-request engine is chosen, how long shutdown waits. Does not know the model or
+the multi-request engine is chosen, how long shutdown waits, and the batched engine's
+narrowing settings as ``--narrow-*`` flags (``NarrowFlags``: the fields, defaults and
+help of ``cadence.batch.narrow.NarrowConfig``, prefixed). Does not know the model or
 the decoding method (``MethodSpec``) or per-request defaults (``GenerationConfig``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from cadence.batch.narrow import NarrowConfig
 from cadence.errors import CadenceError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -52,3 +57,50 @@ class ServeConfig:
             raise CadenceError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.shutdown_timeout < 0:
             raise CadenceError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+
+
+class NarrowMode(str, Enum):
+    AUTO = "auto"
+    NONE = "none"
+    ROOT = "root"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _narrow(name: str) -> dict:
+    """The metadata of ``--narrow-<name>``: ``NarrowConfig.<name>``'s help."""
+    f = next(f for f in dataclasses.fields(NarrowConfig) if f.name == name)
+    return {"help": "batched engine: " + f.metadata["help"]}
+
+
+@dataclass
+class NarrowFlags:
+    """``NarrowConfig`` as flags of ``cadence serve`` (``--narrow-mode`` ...: its fields'
+    defaults and help); they apply to the batched engine only (``--batching batched``, or
+    ``auto`` where it is batched)."""
+
+    narrow_mode: NarrowMode = field(default=NarrowMode(NarrowConfig.mode), metadata=_narrow("mode"))
+    narrow_min_batch: int = field(default=NarrowConfig.min_batch, metadata=_narrow("min_batch"))
+    narrow_max_nodes: int = field(default=NarrowConfig.max_nodes, metadata=_narrow("max_nodes"))
+    narrow_margin: float = field(default=NarrowConfig.margin, metadata=_narrow("margin"))
+
+    def __post_init__(self):
+        try:
+            self.narrow_mode = NarrowMode(self.narrow_mode)
+        except ValueError:
+            raise CadenceError(f"--narrow-mode must be one of auto, none, root, got {self.narrow_mode!r}") from None
+        if self.narrow_min_batch < 1:
+            raise CadenceError(f"--narrow-min-batch must be >= 1, got {self.narrow_min_batch}")
+        if self.narrow_max_nodes < 0:
+            raise CadenceError(f"--narrow-max-nodes must be >= 0 (0 = no cap), got {self.narrow_max_nodes}")
+        if not (math.isfinite(self.narrow_margin) and self.narrow_margin >= 0):
+            raise CadenceError(f"--narrow-margin must be a finite number >= 0, got {self.narrow_margin}")
+
+    def config(self) -> NarrowConfig:
+        return NarrowConfig(mode=self.narrow_mode.value, min_batch=self.narrow_min_batch,
+                            max_nodes=self.narrow_max_nodes, margin=self.narrow_margin)
+
+    @property
+    def is_default(self) -> bool:
+        return self == NarrowFlags()

@@ -7,8 +7,11 @@ chunks (server-sent events) and the error shape ``{"error": {"message", "type",
 "param", "code"}}``. Does not know engines, tokenizers or HTTP routing.
 
 Unknown fields are ignored (clients send ``user`` and the like); known ones that cadence
-cannot honour (``n`` > 1, ``logprobs``, ``echo``, penalties, tools) are refused with a
-400 rather than silently dropped.
+cannot honour (``n`` > 1, ``logprobs`` / ``top_logprobs``, ``echo``, ``suffix``,
+``best_of`` > 1, penalties, ``logit_bias``, tools / functions / a ``tool_choice`` that
+asks for a call, a ``response_format`` other than text) are refused with a 400 rather
+than silently dropped; their empty or neutral values (``logit_bias: {}``,
+``logprobs: false``, ``tool_choice: "none"``) are accepted.
 """
 
 from __future__ import annotations
@@ -84,7 +87,15 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(0.0, ge=0, le=0, description="not supported: 0 only")
     frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="not supported: 0 only")
     user: str | None = None
+    logit_bias: dict | None = Field(None, description="not supported: empty only")
     cadence: CadenceOptions | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -113,9 +124,16 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
     echo: bool | None = Field(False, description="not supported")
-    logprobs: int | None = Field(None, ge=0, le=0, description="not supported")
+    logprobs: int | None = Field(None, description="not supported (null only)")
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:  # 0 too: OpenAI answers 0 with the chosen tokens' logprobs
+            raise ValueError("logprobs are not supported")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -155,14 +173,24 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = Field(False, description="not supported")
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="not supported: 0 only")
     tools: list | None = None
+    functions: list | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
-    def _no_tools(cls, v):
+    def _no_tools(cls, v, info):
         if v:
-            raise ValueError("tools are not supported")
+            raise ValueError(f"{info.field_name} are not supported")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError('tools are not supported: tool_choice may only be "none" or "auto"')
         return v
 
     @field_validator("logprobs")
