@@ -110,7 +110,7 @@ def test_bench_cli_with_model_dir_and_compare(tiny, tmp_path, custom, capsys):
     assert "| custom | hydra:chain-2 |" in capsys.readouterr().out
     # bad input is a clean error (exit 2), before any model is loaded
     assert main(["bench", "--tasks", "nope", "--out", str(tmp_path / "c")]) == 2
-    assert main(["bench", "--methods", "eagle", "--out", str(tmp_path / "c")]) == 2
+    assert main(["bench", "--methods", "nonesuch", "--out", str(tmp_path / "c")]) == 2
     assert main(["bench", "--tasks", "custom", "--custom", str(tmp_path / "none.jsonl")]) == 2
     assert main(["bench", "--methods", "hydra", "--heads-dir", str(tmp_path), "--out", str(tmp_path / "c")]) == 2
     assert "no hydra/ heads directory" in capsys.readouterr().err

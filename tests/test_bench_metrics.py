@@ -177,7 +177,7 @@ def test_parse_method():
     assert parse_method("vanilla", cfg).kind == "engine"
     assert parse_method("llama-cpp", cfg).label == "llama.cpp"
     assert parse_method("hf-pld", cfg).kind == "peer"
-    for bad in ("eagle", "vanilla:chain", "hf-generate:tree-8"):
+    for bad in ("nonesuch", "vanilla:chain", "hf-generate:tree-8"):
         with pytest.raises(CadenceError):
             parse_method(bad, cfg)
     with pytest.raises(CadenceError):

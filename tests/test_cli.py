@@ -193,7 +193,7 @@ def test_error_bad_tree_dtype_and_length(capsys, model_dir):
 
 def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["generate", "--prompt", "hi", "--method", "eagle"])
+        main(["generate", "--prompt", "hi", "--method", "bogus"])
     assert exc.value.code == 2
     with pytest.raises(SystemExit) as exc:
         main(["generate"])  # a prompt source is required

@@ -164,7 +164,7 @@ def _good_config(llama, **over):
 ])
 def test_malformed_config_is_a_cadence_error(llama, tmp_path, config_text):
     save_heads(new_heads("medusa", llama, 2), tmp_path)
-    special = {"KIND_UNKNOWN": _good_config(llama, kind="eagle"),
+    special = {"KIND_UNKNOWN": _good_config(llama, kind="bogus"),
                "NUM_HEADS_STRING": _good_config(llama, num_heads="two"),
                "NUM_HEADS_NEGATIVE": _good_config(llama, num_heads=-1),
                "NUM_HEADS_MISMATCH": _good_config(llama, num_heads=3)}

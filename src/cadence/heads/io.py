@@ -93,6 +93,8 @@ def load_heads(directory: str | Path, backbone, dtype: torch.dtype | None = None
         heads = head_class(cfg.kind)(cfg)
     except (TypeError, ValueError) as exc:  # e.g. "num_heads": "two"
         raise CadenceError(f"{cfg_path} is malformed: {exc}") from exc
+    except CadenceError as exc:  # e.g. attention heads without their block shape
+        raise CadenceError(f"{cfg_path}: {exc}") from exc
     try:
         state = load_file(str(w_path))
         if "draft_vocab" in state:
