@@ -5,7 +5,6 @@ output must equal non-streamed output."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -15,127 +14,33 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from server_support import (  # noqa: F401 - fixtures are used by name
+    DEFAULTS,
+    MODEL,
+    PROMPTS,
+    SPEC,
+    N,
+    engine,
+    greedy,
+    serve,
+    slow,
+    srv,
+    until,
+)
 from tiny import OracleDrafter, tiny_backbone
 
 from cadence.batch.serial import SerialEngine
 from cadence.engine import Engine, GenerationConfig
 from cadence.errors import CadenceError
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.methods import make_engine
 from cadence.schedulers import StaticScheduler
 from cadence.server.app import AppSettings, create_app
-from cadence.server.runner import make_server
-
-MODEL = "tiny"
-N = 10  # new tokens per request
-PROMPTS = ("Write a poem about the sea.", "Count to ten.", "abc abc abc abc", "Hello", "x y z", "Why?")
-SPEC = MethodSpec(method=Method.HYDRA, heads="random", num_heads=3, tree="chain")
-DEFAULTS = GenerationConfig(temperature=1.0, max_new_tokens=N)
-
-
-class SlowEngine(SerialEngine):
-    """SerialEngine whose steps take at least ``delay`` seconds (requests that last)."""
-
-    delay = 0.03
-    steps = 0  # steps taken so far
-
-    def step(self):
-        time.sleep(self.delay)
-        self.steps += 1
-        return super().step()
-
-
-class Served:
-    def __init__(self, app, server, port):
-        self.app, self.server, self.url = app, server, f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-    @property
-    def multi(self):
-        return self.app.state.engine
-
-    def metrics(self) -> dict[tuple, float]:
-        text = httpx.get(self.url + "/metrics").text
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-class Spec24:
-    """The app as an ASGI server of spec 2.4 sees it: Starlette then stops listening for
-    disconnects while it streams, and uvicorn drops writes to a closed connection silently."""
-
-    def __init__(self, app):
-        self.app, self.state = app, app.state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.4"}}
-        await self.app(scope, receive, send)
-
-
-@contextlib.contextmanager
-def serve(engine, multi, shutdown_timeout: float = 5.0, max_queue: int = 8, spec=SPEC, wrap=None):
-    app = create_app(engine, multi, AppSettings(MODEL, max_queue, DEFAULTS, spec))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = make_server(wrap(app) if wrap else app, "127.0.0.1", sock.getsockname()[1], shutdown_timeout,
-                         log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    until(lambda: server.started, 20)
-    served = Served(app, server, sock.getsockname()[1])
-    served.thread = thread
-    try:
-        yield served
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-def until(cond, timeout: float) -> float:
-    """Wait for ``cond()``; the seconds it took (fails after ``timeout``)."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.01)
-    return time.monotonic() - t0
-
-
-@pytest.fixture(scope="module")
-def engine(llama):
-    return make_engine(llama, SPEC)
-
-
-@pytest.fixture(scope="module")
-def srv(engine):
-    with serve(engine, SerialEngine(engine, max_batch=4)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def vanilla(llama):
-    return Engine(llama)
-
-
-@pytest.fixture(scope="module")
-def slow(vanilla):
-    """Plain decoding, max 1 decoding + 1 waiting, each step >= 30 ms (greedy from the
-    prompts "a", "b" and "hi" runs 400 tokens without EOS: >= 12 s)."""
-    with serve(vanilla, SlowEngine(vanilla, max_batch=1), max_queue=1, spec=None) as s:
-        yield s
-
-
-def greedy(engine, prompt: str, chat: bool, **kw) -> str:
-    ids = engine.backbone.encode_prompt(prompt, chat=chat)
-    return engine.generate(ids, GenerationConfig(max_new_tokens=kw.pop("n", N), **kw)).text
-
 
 # ------------------------------------------------------------------ openai client
 
@@ -378,129 +283,6 @@ def test_engine_failures_are_500s_and_the_server_goes_on(llama):
         assert app.state.worker.inflight == 0
 
 
-# ------------------------------------------------------------------ limits, disconnects, shutdown
-
-
-def _open_stream(served, max_tokens=400):
-    """A streaming request left open; (client, response, its lines) once its first text chunk
-    came (the line iterator must stay referenced: collecting it closes the response)."""
-    h = httpx.Client(base_url=served.url, timeout=30)
-    req = h.build_request("POST", "/v1/completions", json={
-        "model": MODEL, "prompt": "a", "max_tokens": max_tokens, "temperature": 0, "stream": True})
-    r = h.send(req, stream=True)
-    assert r.status_code == 200
-    lines = r.iter_lines()
-    next(line for line in lines if line.startswith("data: {"))
-    return h, r, lines
-
-
-def test_client_disconnect_mid_stream_frees_the_slot(slow):
-    before = slow.metrics().get(("cadence:request_success_total", (("finished_reason", "abort"),)), 0)
-    h, r, _lines = _open_stream(slow)
-    assert slow.multi.running == 1
-    r.close()
-    h.close()
-    waited = until(lambda: slow.multi.running == 0 and slow.app.state.worker.inflight == 0, 5)
-    assert waited < 2  # 400 tokens at >= 30 ms per step would take 12 s
-    after = slow.metrics()[("cadence:request_success_total", (("finished_reason", "abort"),))]
-    assert after == before + 1
-
-
-def test_client_gone_before_a_non_streamed_answer_frees_the_slot(slow):
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(slow.url + "/v1/completions", timeout=0.5, json={
-            "model": MODEL, "prompt": "b", "max_tokens": 400, "temperature": 0})
-    assert until(lambda: slow.multi.running == 0 and slow.app.state.worker.inflight == 0, 5) < 2
-
-
-def test_beyond_the_limits_is_429(slow):
-    """1 decoding + 1 waiting: a third request is refused with 429 at once; once the
-    others leave, requests are served again."""
-    opened = [_open_stream(slow)]
-    h2 = httpx.Client(base_url=slow.url, timeout=30)
-    second = h2.send(h2.build_request("POST", "/v1/completions", json={
-        "model": MODEL, "prompt": "hi", "max_tokens": 400, "temperature": 0, "stream": True}), stream=True)
-    until(lambda: slow.app.state.worker.inflight == 2, 5)
-    assert (slow.multi.running, slow.multi.queued) == (1, 1)
-    r = httpx.post(slow.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 429 and r.headers["retry-after"] == "1"
-    assert r.json()["error"]["code"] == "rate_limit_exceeded"
-    with pytest.raises(openai.RateLimitError):
-        slow.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    assert httpx.get(slow.url + "/health").status_code == 200
-    for h, resp, *_ in opened + [(h2, second)]:
-        resp.close()
-        h.close()
-    until(lambda: slow.app.state.worker.inflight == 0, 5)
-    r = slow.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
-    assert r.usage.completion_tokens == 2
-
-
-def test_shutdown_finishes_short_requests_and_cancels_long_ones_cleanly(vanilla):
-    """Shutdown with three requests in flight: the short one finishes, the long streamed
-    one ends with an error event and [DONE], the long plain one gets a 503; the worker
-    thread ends and nothing is left in the engine."""
-    multi = SlowEngine(vanilla, max_batch=4)
-    with serve(vanilla, multi, shutdown_timeout=1.0, spec=None) as s:
-        results: dict[str, object] = {}
-
-        def stream_long():
-            with httpx.stream("POST", s.url + "/v1/completions", timeout=30, json={
-                    "model": MODEL, "prompt": "a", "max_tokens": 400, "temperature": 0, "stream": True}) as r:
-                results["stream"] = [line for line in r.iter_lines() if line]
-
-        def plain(name, n):
-            r = httpx.post(s.url + "/v1/completions", timeout=30, json={
-                "model": MODEL, "prompt": "b", "max_tokens": n, "temperature": 0})
-            results[name] = (r.status_code, r.json())
-
-        threads = [threading.Thread(target=stream_long), threading.Thread(target=plain, args=("long", 400)),
-                   threading.Thread(target=plain, args=("short", 8))]
-        for t in threads:
-            t.start()
-        until(lambda: s.app.state.worker.inflight == 3, 10)
-        s.server.should_exit = True
-        for t in threads:
-            t.join(30)
-        s.thread.join(30)
-        assert not s.thread.is_alive()
-    assert results["short"][0] == 200 and results["short"][1]["usage"]["completion_tokens"] == 8
-    assert results["long"][0] == 503 and "shutting down" in results["long"][1]["error"]["message"]
-    events = results["stream"]
-    assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][len("data: "):])
-    assert not s.app.state.worker._thread.is_alive() and not multi.has_work() and s.app.state.worker.inflight == 0
-
-
-def test_batched_engine_behind_the_same_server():
-    """The server over ``BatchEngine`` (one forward for all rows): concurrent streamed and
-    plain requests each equal their single-request output."""
-    batch = pytest.importorskip("cadence.batch.engine")
-    from cadence.batch.narrow import NarrowConfig
-    from cadence.fast import make_fast
-
-    fast = make_engine(make_fast(tiny_backbone("llama"), "fast"), SPEC)  # make_fast repacks the model's weights
-    multi = batch.BatchEngine.from_engine(fast, max_batch=4, narrow=NarrowConfig(mode="none"))
-    out: dict[int, str] = {}
-
-    def ask(i):
-        kw = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[i]}], "max_tokens": N,
-              "temperature": 0}
-        if i % 2:
-            out[i] = s.client.chat.completions.create(**kw).choices[0].message.content
-        else:
-            chunks = s.client.chat.completions.create(**kw, stream=True)
-            out[i] = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-
-    with serve(fast, multi) as s:
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert s.metrics()[("cadence:batch_size_sum", ())] > s.metrics()[("cadence:batch_size_count", ())]
-    assert out == {i: greedy(fast, p, chat=True) for i, p in enumerate(PROMPTS)}
-
-
 # ------------------------------------------------------------------ engine choice, command line
 
 
@@ -648,120 +430,3 @@ def _healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-# ------------------------------------------------------------------ disconnect at any point
-
-
-class MuteEngine(SlowEngine):
-    """SlowEngine whose events carry no text but the last: a completion stream sends no
-    chunk before its end (a client can leave before the first chunk)."""
-
-    def step(self):
-        events = super().step()
-        for ev in events:
-            if not ev.finished:
-                ev.text = ""
-        return events
-
-
-@pytest.fixture(scope="module", params=["spec-2.3", "spec-2.4"])
-def mute(vanilla, request):
-    """Served as uvicorn serves it (ASGI spec 2.3), and as a spec-2.4 server would."""
-    wrap = Spec24 if request.param == "spec-2.4" else None
-    with serve(vanilla, MuteEngine(vanilla, max_batch=1), max_queue=1, spec=None, wrap=wrap) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def slow24(vanilla):
-    with serve(vanilla, SlowEngine(vanilla, max_batch=1), max_queue=1, spec=None, wrap=Spec24) as s:
-        yield s
-
-
-def test_disconnect_mid_stream_frees_the_slot_under_asgi_spec_2_4(slow24):
-    """Spec 2.4: nothing tells the stream's generator that its client left (writes to the
-    closed connection are dropped); the request must still leave within about one step."""
-    h, r, _lines = _open_stream(slow24)
-    steps = slow24.multi.steps
-    r.close()
-    h.close()
-    until(lambda: slow24.multi.running == 0 and slow24.app.state.worker.inflight == 0, 3)
-    assert slow24.multi.steps - steps <= 3
-
-
-def _raw_request(served, stream: bool, chat: bool = False, prompt: str = "a", wait: bool = True) -> socket.socket:
-    """A long request (400 tokens) sent over a plain socket, which the caller closes to leave;
-    streamed and ``wait``: returns once the response's headers came (no chunk read)."""
-    body = {"model": MODEL, "max_tokens": 400, "temperature": 0, "stream": stream}
-    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
-    data = json.dumps(body).encode()
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    sock = socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])), timeout=10)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    if stream and wait:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += sock.recv(1)
-        assert head.startswith(b"HTTP/1.1 200"), head
-    return sock
-
-
-def _leave(served, sock, left) -> int:
-    """Close the client's socket; the engine steps taken until ``left()`` (at most 3 s)."""
-    steps = served.multi.steps
-    sock.close()
-    until(left, 3)
-    return served.multi.steps - steps
-
-
-@pytest.mark.parametrize("chat", [False, True])
-def test_disconnect_before_the_first_chunk_frees_the_slot(mute, chat):
-    """The stream's headers came, no text chunk yet (chat: the role chunk only), the client
-    leaves: the request leaves the engine within about one step (it would run 400)."""
-    before = mute.multi.steps
-    sock = _raw_request(mute, stream=True, chat=chat)
-    until(lambda: mute.multi.running == 1 and mute.multi.steps > before + 2, 5)
-    assert _leave(mute, sock, lambda: mute.multi.running == 0 and mute.app.state.worker.inflight == 0) <= 3
-
-
-@pytest.mark.parametrize("server, stream", [("slow", True), ("slow", False), ("slow24", True)])
-def test_disconnect_while_queued_frees_the_queue_place(server, stream, request):
-    """One request decodes, a second waits for the slot; the waiting one's client leaves:
-    it leaves the queue within about one step, and the first goes on decoding."""
-    slow = request.getfixturevalue(server)
-    h1, r1, _lines = _open_stream(slow)
-    sock = _raw_request(slow, stream=stream, prompt="hi")
-    until(lambda: slow.multi.queued == 1 and slow.app.state.worker.inflight == 2, 5)
-    assert _leave(slow, sock, lambda: slow.multi.queued == 0 and slow.app.state.worker.inflight == 1) <= 3
-    assert slow.multi.running == 1
-    r1.close()
-    h1.close()
-    until(lambda: slow.multi.running == 0 and slow.app.state.worker.inflight == 0, 5)
-
-
-def test_disconnect_of_a_running_plain_request_frees_the_slot_within_a_step(slow):
-    """A non-streamed request decoding; its client leaves: gone within about one step."""
-    before = slow.multi.steps
-    sock = _raw_request(slow, stream=False, prompt="b")
-    until(lambda: slow.multi.running == 1 and slow.multi.steps > before + 2, 5)
-    assert _leave(slow, sock, lambda: slow.multi.running == 0 and slow.app.state.worker.inflight == 0) <= 3
-
-
-@pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_before_the_answer_starts_frees_the_slot(slow, stream):
-    """The client leaves while its request is still being admitted (the worker is busy with
-    a long step): the request must not stay in the engine once admitted."""
-    h1, r1, _lines = _open_stream(slow)
-    slow.multi.delay = 1.0  # the next step keeps the worker busy: the add waits behind it
-    try:
-        sock = _raw_request(slow, stream=stream, prompt="hi", wait=False)
-        until(lambda: slow.app.state.worker.inflight == 2, 5)
-    finally:
-        slow.multi.delay = SlowEngine.delay
-    assert _leave(slow, sock, lambda: slow.multi.queued == 0 and slow.app.state.worker.inflight == 1) <= 4
-    assert slow.multi.running == 1
-    r1.close()
-    h1.close()
-    until(lambda: slow.multi.running == 0 and slow.app.state.worker.inflight == 0, 5)
