@@ -7,7 +7,7 @@ prompt with the order alternating, after a warm-up that is not timed. Per catego
 tokens/s of each method over vanilla (total tokens / total seconds), tau, and whether
 the output is byte-identical to vanilla.
 
-Usage:  python benchmarks/categories.py [--methods hydra mtp] [--max-new-tokens 128]
+Usage:  python benchmarks/categories.py [--methods hydra mtp] [--max-new-tokens 128] [--repeats 1]
         [--backend auto] [--dtype float32] [--out benchmarks/results/categories.json]
 """
 
@@ -39,6 +39,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", nargs="+", default=["hydra"])
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="passes over the prompts (short replies, e.g. translations, give few tokens per pass)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--backend", default="auto")
@@ -57,9 +59,10 @@ def main() -> None:
     for e in engines.values():  # warm-up, not timed
         e.generate(warm, GenerationConfig(max_new_tokens=16))
     rows = []
-    for i, it in enumerate(items):
+    for i, it in enumerate(items * args.repeats):
         ids = bb.encode_prompt(it["prompt"], chat=True)
-        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+        flip = (i + i // len(items)) % 2  # alternates per prompt, and per pass for the same prompt
+        order = list(engines)[::-1] if flip else list(engines)
         out = {m: engines[m].generate(ids, cfg) for m in order}
         ref = out["vanilla"].tokens
         for m, g in out.items():
@@ -70,7 +73,7 @@ def main() -> None:
               flush=True)
     table = summarize(rows, list(engines))
     print_table(table, list(engines), trees)
-    result = {"machine": machine_info(), "max_new_tokens": args.max_new_tokens, "backend": type(bb).__name__,
+    result = {"machine": machine_info(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "backend": type(bb).__name__,
               "dtype": str(bb.dtype), "trees": trees, "table": table, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

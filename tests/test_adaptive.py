@@ -5,6 +5,7 @@ import pytest
 from cadence.latency import LatencyCurve
 from cadence.schedulers.adaptive import AdaptiveScheduler, frontier
 from cadence.schedulers.base import StepInfo
+from cadence.schedulers.step_costs import StepCosts
 
 # Verification nearly free, acceptance high: the calibrated favourite is a big tree.
 TABLE = [[0.8, 0.1], [0.8, 0.1], [0.8, 0.1]]
@@ -49,3 +50,72 @@ def test_a_request_whose_drafts_all_miss_falls_back_and_backs_off():
     tries = [i for i, n in enumerate(sizes) if n > 1]
     gaps = [b - a for a, b in zip(tries[1:], tries[2:])]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # tries get rarer while they fail
+
+
+def shadowing(latency=DEAR, costs=None) -> AdaptiveScheduler:
+    return AdaptiveScheduler(frontier(TABLE, latency, draft_s=0.0001, num_heads=3, max_depth=3),
+                             shadow_q=TABLE[0][0], costs=costs)
+
+
+def run_shadowed(s: AdaptiveScheduler, hit: bool, accepted: int = 0, seconds: float = 0.01):
+    """One step: a shadow step reports ``hit``; a real step accepts ``accepted`` drafts."""
+    plan = s.choose(None)
+    shadow = hit if plan.shadow else None
+    s.observe(StepInfo(tree=plan.tree.name, nodes=plan.tree.size, accepted=min(accepted, plan.tree.max_depth),
+                       seconds=seconds, depth=plan.tree.max_depth, shadow=shadow))
+    return plan
+
+
+def test_greedy_requests_learn_from_shadows_before_paying_for_a_verify():
+    s = shadowing()
+    plans = [run_shadowed(s, hit=False) for _ in range(64)]
+    assert all(p.tree.size == 1 for p in plans)  # drafts that never hit never cost a verify
+    shadows = [i for i, p in enumerate(plans) if p.shadow]
+    gaps = [b - a for a, b in zip(shadows, shadows[1:])]
+    assert gaps[:5] == [2, 4, 8, 16, 16]  # spaced 1, 2, 4, ... 16 root steps apart while they miss
+
+
+def test_a_shadow_hit_opens_only_the_cheapest_tree_and_a_real_hit_the_frontier():
+    s = shadowing(LATENCY)
+    assert run_shadowed(s, hit=True).shadow  # the first step is a shadow
+    plan = run_shadowed(s, hit=False, accepted=1)
+    assert plan.tree is s.cands[1].tree  # cheapest tree: a real try
+    assert s.choose(None).tree.size > 2  # its draft was accepted: the whole frontier
+
+
+def test_deeper_levels_without_evidence_follow_the_level_above():
+    s = scheduler(DEAR)
+    for _ in range(4):
+        run(s, 0)
+    f = s.factors()
+    assert f[0] < 0.5 and f[1] == pytest.approx(f[0]) and f[2] == pytest.approx(f[0])
+
+
+def test_observed_step_costs_correct_the_curve():
+    """The curve says a 2-node step costs 1.05 root steps; they really cost 1.5: a request
+    whose drafts are accepted half as often as calibrated then decodes plainly."""
+    cheap = LatencyCurve(sizes=[1, 2, 4, 8, 16], seconds=[0.010, 0.0105, 0.011, 0.012, 0.014])
+
+    def decide(costs):
+        s = shadowing(cheap, costs)
+        s.hits[0], s.expected[0], s.opened, s.proven = 4.0, 8.0, True, True  # f_1 = 0.5
+        return s.choose(None).tree.size
+
+    assert decide(StepCosts()) > 1  # as predicted: speculating pays
+    costs = StepCosts(min_steps=4)
+    for _ in range(4):
+        costs.record(False, 0.010, 0.010)
+        costs.record(True, 0.0105 * 1.5, 0.0105)
+    assert costs.factor(True) / costs.factor(False) == pytest.approx(1.5)
+    assert decide(costs) == 1
+
+
+def test_step_costs_borrow_the_other_kind_until_observed_and_clip_outliers():
+    c = StepCosts(min_steps=2, clip=3.0)
+    assert c.factor(True) == c.factor(False) == 1.0
+    c.record(False, 0.02, 0.01)
+    c.record(False, 0.02, 0.01)
+    assert c.factor(True) == c.factor(False) == pytest.approx(2.0)  # relative cost as predicted
+    c.record(True, 10.0, 0.01)  # a step the OS stalled counts as 3x, not 1000x
+    c.record(True, 0.01, 0.01)
+    assert c.factor(True) == pytest.approx(2.0)

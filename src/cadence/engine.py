@@ -16,7 +16,10 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
   1. stop here if committing ``root`` finishes the request (EOS / max tokens);
   2. plan = scheduler.choose(state); its tree is cut to what the drafter can fill
      (copies reach deeper than the heads, greedy only), to the tokens still allowed and
-     to the model's positions; the drafter fills it from (h, root);
+     to the model's positions; the drafter fills it from (h, root). A root-alone plan
+     may ask for a shadow draft (T = 0): the depth-1 top candidate is drafted (one head
+     call, no verify cost) and, once the root's forward gives the true next token,
+     the scheduler learns whether it would have been accepted; it is never committed;
   3. one backbone forward over the N+1 nodes with the tree mask, positions past+depth;
   4. verdict = rule(tree, tokens, logits): accepted nodes (root first) and a bonus;
   5. commit the accepted tokens (cut at EOS, the budget or a stop string), compact the
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -119,6 +122,7 @@ class Generation:
 
 
 ROOT_ONLY = compile_tree([], name="root")
+SHADOW_CHAIN = compile_tree([(0,)], name="shadow")  # the root and its top depth-1 candidate
 
 
 @dataclass
@@ -131,6 +135,8 @@ class PendingStep:
     tokens: torch.Tensor  # (N+1,) long, node 0 the root
     q: torch.Tensor | None  # (N+1, V) draft distributions (T > 0), else None
     t_step: float  # perf_counter() when the step began
+    shadow: int | None = None  # the shadow draft's token (Plan.shadow), checked against the bonus
+    rows: int = 1  # requests sharing the verify forward (set by a batched engine)
 
 
 class Engine:
@@ -258,7 +264,7 @@ class Request:
                           new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
         plan = self._plan(state, remaining)
         tree, tokens, q = self._draft(plan.tree)
-        return PendingStep(state, plan, tree, tokens, q, t_step)
+        return PendingStep(state, plan, tree, tokens, q, t_step, self._shadow(plan))
 
     def finish_step(self, job: "PendingStep", logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """Steps 4-5 for the verify forward's output over ``job.tree``'s N+1 nodes:
@@ -276,7 +282,8 @@ class Request:
         self.hidden, self.root_logits = hidden[verdict.path[-1]], logits[verdict.path[-1]]
         self.root = verdict.bonus
         committed = self._commit(tokens[verdict.path].tolist())
-        self._record(job.state, job.plan, tree, len(verdict.path) - 1, time.perf_counter() - job.t_step)
+        shadow = None if job.shadow is None else job.shadow == verdict.bonus
+        self._record(job, tree, len(verdict.path) - 1, time.perf_counter() - job.t_step, shadow)
         return committed
 
     def _prefill(self) -> None:
@@ -319,7 +326,17 @@ class Request:
             raise CadenceError("the scheduler planned an unverified step, but this engine was not opted in "
                                "to lossy unverified commits (Engine.allow_unverified)")
         depth = min(self.engine.drafter.max_depth(self.sampling), remaining - 1)
-        return Plan(truncate(plan.tree, depth), plan.verify) if plan.tree.max_depth > depth else plan
+        return replace(plan, tree=truncate(plan.tree, depth)) if plan.tree.max_depth > depth else plan
+
+    def _shadow(self, plan: Plan) -> int | None:
+        """The shadow draft's token for a root-alone plan that asks for one (T = 0 only: at
+        T > 0 a draft would consume the request's random stream), else None. Example: root
+        r, the heads' (or a context copy's) next guess d; the root's forward then gives the
+        true next token b, and the scheduler is told d == b."""
+        if not plan.shadow or plan.tree.size != 1 or not self.sampling.greedy:
+            return None
+        tree, tokens, _ = self._draft(SHADOW_CHAIN)
+        return int(tokens[1]) if tree.size == 2 else None
 
     def _draft(self, tree):
         """(tree that runs, its (N+1,) tokens, q or None): the drafter fills the tree;
@@ -348,7 +365,8 @@ class Request:
         self.done = done
         return committed
 
-    def _record(self, state: StepState, plan: Plan, tree, accepted: int, seconds: float) -> None:
+    def _record(self, job: PendingStep, tree, accepted: int, seconds: float, shadow: bool | None) -> None:
+        state, plan = job.state, job.plan
         stats = self.stats
         stats.steps += 1
         while len(stats.accepted_at_depth) < accepted:
@@ -358,7 +376,8 @@ class Request:
         stats.unverified_steps += not plan.verify
         info = StepInfo(tree=tree.name, nodes=tree.size, accepted=accepted, seconds=seconds,
                         depth=tree.max_depth, planned=plan.tree.name, verified=plan.verify,
-                        entropy=state.entropy if self.engine.trace_entropy or "entropy" in vars(state) else None)
+                        entropy=state.entropy if self.engine.trace_entropy or "entropy" in vars(state) else None,
+                        shadow=shadow, rows=job.rows)
         stats.step_log.append(info)
         if self.scheduler is not None:
             self.scheduler.observe(info)

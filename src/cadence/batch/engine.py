@@ -184,6 +184,7 @@ class BatchEngine:
         logits = self.backbone.logits(out.hidden.reshape(-1, out.hidden.shape[-1])[real])
         events, offset = [], 0
         for b, ((row, job), m) in enumerate(zip(work, p.sizes)):
+            job.rows = len(work)
             committed = row.req.finish_step(job, logits[offset:offset + m], out.hidden[b, :m])
             offset += m
             events.append(self._event(row, committed, job))

@@ -26,7 +26,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -141,7 +141,7 @@ class CappedScheduler:
         plan = self.inner.choose(state)
         if plan.tree.size <= self.cap:
             return plan
-        return Plan(prune(plan.tree, self.cap), plan.verify)
+        return replace(plan, tree=prune(plan.tree, self.cap))
 
     def observe(self, info: StepInfo) -> None:
         self.inner.observe(info)

@@ -6,7 +6,10 @@ Knows: a set of candidate trees with their calibrated reach (``reach[d]`` = P(ac
 length >= d+1), from the heads' acceptance table), the step cost of each (verify latency
 on this machine + drafting), and the accepted length of every step of this request.
 Does not know how trees are drafted or verified; it only changes which tree is drafted,
-so it is lossless under every lossless rule.
+so it is lossless under every lossless rule. A candidate's predicted seconds are scaled by
+what this engine's steps have really cost so far (``step_costs.StepCosts``, root and
+speculative steps apart), so a latency curve that flatters speculation on this machine
+is corrected after a few steps.
 
 The calibrated table says how often drafts are right on average; a given request can be
 far from average (a translation's reply is not predictable from its prompt, a code
@@ -26,6 +29,18 @@ for the table's favourite, a tree of several nodes, for the few steps it takes t
 factors to fall; a miss of the cheapest tree costs a fraction of that. One accepted
 draft opens the whole frontier.
 
+Shadow drafts (greedy decoding): a miss of even the cheapest tree costs its verify
+width (on this CPU a 2-node step costs about 1.2 root steps). So at T = 0, until a draft
+has been accepted, and instead of real tries during a run of root steps, the root runs
+alone with a *shadow* draft (``Plan.shadow``): the depth-1 top candidate is drafted (one
+head call, about 1 ms) and checked against the token the root's forward produces, at no
+verify cost. A shadow counts as evidence for depth 1 like a real step (hit or miss
+against the table's top-1 acceptance). A shadow hit lets the cheapest tree run; only a
+real accepted draft opens the whole frontier. Shadows are spaced 1, 2, 4, ... up to
+``max_shadow_every`` root steps apart while they miss (back to 1 on a hit), so a request
+nothing can predict pays about one head call per 16 tokens. At T > 0
+the real tries above remain (a shadow would consume the request's random stream).
+
 Worked example: candidates root (40 ms) and a 1-draft chain (44 ms) with reach [0.7]:
 expected 1.7 / 44 ms vs 1 / 40 ms -> the chain. If the drafts of this request are
 accepted 10% of the time, f_1 -> 0.1 / 0.7 and the chain's value -> 1.1 / 44 ms < 1 / 40
@@ -38,6 +53,7 @@ from dataclasses import dataclass
 
 from cadence.schedulers.base import Plan, StepInfo, StepState
 from cadence.schedulers.registry import register
+from cadence.schedulers.step_costs import StepCosts
 from cadence.tree_policy import step_seconds
 from cadence.trees import CompiledTree, chain, compile_tree, grow_tree, node_values
 
@@ -95,22 +111,40 @@ class AdaptiveScheduler:
     """See the module docstring. One instance per request."""
 
     def __init__(self, candidates: list[Candidate], window: int = 16, explore_every: int = 8,
-                 margin: float = 0.05, prior_weight: float = 1.0, max_explore_every: int = 64):
+                 margin: float = 0.05, prior_weight: float = 1.0, max_explore_every: int = 64,
+                 shadow_q: float | None = None, max_shadow_every: int = 16,
+                 costs: StepCosts | None = None):
+        """shadow_q: the table's P(the depth-1 top candidate is accepted); set it to plan
+        shadow drafts (greedy requests only), None for real tries. costs: the engine's
+        observed step costs (shared by its requests; a fresh one when None)."""
+        self.costs = costs if costs is not None else StepCosts()
         self.cands = sorted(candidates, key=lambda c: c.seconds)
         depth = max((len(c.reach) for c in self.cands), default=0)
         self.beta = 1.0 - 1.0 / window
-        self.hits = [prior_weight] * depth  # decayed count of steps that reached depth d+1
-        self.expected = [prior_weight] * depth  # decayed sum of the calibrated chance of that
+        self.hits = [0.0] * depth  # decayed count of steps that reached depth d+1 (given d)
+        self.expected = [0.0] * depth  # decayed sum of the calibrated chance of that
+        self.prior_weight = prior_weight  # pseudo-observations at the level above's factor
         self.explore_every, self.margin = explore_every, margin
         self.base_explore, self.max_explore = explore_every, max_explore_every
         self.root_streak = 0
         self.exploring = False
         self.proven = False  # a draft of this request has been accepted: every candidate is open
         self.last: Candidate | None = None
+        self.shadow_q = shadow_q if len(self.cands) > 1 else None
+        self.shadow_every, self.max_shadow_every = 1, max_shadow_every
+        self.opened = False  # a draft (shadow or real) of this request would have been accepted
 
     def factors(self) -> list[float]:
-        """f_d = observed / calibrated conditional acceptance at depth d+1."""
-        return [h / e if e > 0 else 1.0 for h, e in zip(self.hits, self.expected)]
+        """f_d = observed / calibrated conditional acceptance at depth d+1, each shrunk
+        towards the level above (depth 1 towards 1: the table): a level seldom reached has
+        little evidence of its own, and text that defeats depth 1 rarely favours depth 2.
+        Example (prior weight 1): depth 1 missed with calibrated chance 0.65 four times,
+        depth 2 never reached -> f_1 = 1 / (1 + 2.6) = 0.28 and f_2 = 0.28, not 1."""
+        f, above, w = [], 1.0, self.prior_weight
+        for h, e in zip(self.hits, self.expected):
+            above = (h + w * above) / (e + w) if e + w > 0 else above
+            f.append(above)
+        return f
 
     def value(self, c: Candidate, f: list[float]) -> float:
         """Expected tokens per second of ``c`` under the learned factors."""
@@ -119,7 +153,7 @@ class AdaptiveScheduler:
             scale *= f[d]
             prev = min(r * scale, prev)  # reaching d+1 is never likelier than reaching d
             tau += prev
-        return tau / c.seconds
+        return tau / (c.seconds * self.costs.factor(c.tree.size > 1))
 
     def choose(self, state: StepState) -> Plan:
         f = self.factors()
@@ -130,6 +164,13 @@ class AdaptiveScheduler:
             if v > best_v:
                 best, best_v = c, v
         self.exploring = False
+        if self.shadow_q is not None and (best is root or not self.opened):
+            self.last = root
+            self.root_streak += 1
+            if self.root_streak >= self.shadow_every:
+                self.root_streak = 0
+                return Plan(root.tree, shadow=True)
+            return Plan(root.tree)
         if best is root and len(self.cands) > 1:
             self.root_streak += 1
             if self.root_streak >= self.explore_every:
@@ -139,11 +180,23 @@ class AdaptiveScheduler:
         self.last = best
         return Plan(best.tree)
 
+    def _observe_shadow(self, hit: bool) -> None:
+        """A shadow draft: depth-1 evidence at the table's top-1 acceptance."""
+        self.opened = self.opened or hit
+        self.shadow_every = 1 if hit else min(2 * self.shadow_every, self.max_shadow_every)
+        self.hits[0] = self.beta * self.hits[0] + hit
+        self.expected[0] = self.beta * self.expected[0] + self.shadow_q
+
     def observe(self, info: StepInfo) -> None:
         c = self.last
+        if c is not None and info.rows == 1 and info.shadow is None:  # this step's own, plain cost
+            self.costs.record(c.tree.size > 1, info.seconds, c.seconds)
+        if info.shadow is not None and self.shadow_q is not None:
+            self._observe_shadow(info.shadow)
         if c is None or not c.reach:
             return
         self.proven = self.proven or info.accepted > 0
+        self.opened = self.opened or self.proven
         if self.exploring:  # back off while tries keep failing: 8, 16, 32, ... root steps
             self.explore_every = (self.base_explore if info.accepted else
                                   min(2 * self.explore_every, self.max_explore))
@@ -167,6 +220,7 @@ def _tables(ctx, sampling):
 def _builder(make_candidates):
     def build(ctx):
         cache: dict = {}
+        costs = StepCosts()  # shared by this engine's requests
 
         def factory(sampling):
             table, depth, suffix = _tables(ctx, sampling)
@@ -176,7 +230,8 @@ def _builder(make_candidates):
             key = (suffix, depth)
             if key not in cache:
                 cache[key] = make_candidates(ctx, table, depth, suffix)
-            return AdaptiveScheduler(cache[key], margin=ctx.policy.margin)
+            shadow_q = table[0][0] if sampling.greedy and table and table[0] else None
+            return AdaptiveScheduler(cache[key], margin=ctx.policy.margin, shadow_q=shadow_q, costs=costs)
         return factory
     return build
 
