@@ -44,7 +44,13 @@ from functools import cache, lru_cache
 from pathlib import Path
 
 from cadence.errors import CadenceError
-from cadence.prompts import PromptItem, gsm8k_items, jsonl_items, prompt_hash, sharegpt_items
+from cadence.prompts import (
+    PromptItem,
+    gsm8k_items,
+    jsonl_items,
+    prompt_hash,
+    sharegpt_items,
+)
 
 NAMED = ("sharegpt", "gsm8k", "code", "writing")
 

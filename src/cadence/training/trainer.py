@@ -4,7 +4,7 @@ Knows: the training loop (AdamW, linear warm-up + cosine decay, gradient accumul
 optional bf16 autocast), ``accelerate`` for DDP/DeepSpeed/FSDP launches, periodic held-out
 evaluation, atomic checkpoints and exact resuming, the training log, and the final
 ``save_heads``. Losses live in ``losses``, rows and features in ``batches``, the hidden
-state cache in ``hidden_cache``.
+state cache in ``hidden_cache``, the checkpoint format, RNG state and log file in ``run_files``.
 
 Only the heads are trained and only they are handed to ``accelerator.prepare``; the
 backbone (and its embedding / LM head, which the heads share) stays frozen and unwrapped.
@@ -19,16 +19,10 @@ Output directory::
 
 from __future__ import annotations
 
-import json
-import math
-import random
-import resource
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
@@ -38,12 +32,17 @@ from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 from cadence.heads.io import ATTENTION_KINDS, KINDS, new_heads, save_heads
 from cadence.training import losses as L
-from cadence.training.batches import Corpus, RowDataset, collate, pack, segments, to_batch
+from cadence.training.batches import (
+    Corpus,
+    RowDataset,
+    collate,
+    pack,
+    segments,
+    to_batch,
+)
 from cadence.training.data import load_manifest
-
-CHECKPOINT = "checkpoint.pt"
-LOG = "train_log.jsonl"
-CKPT_FORMAT = 1
+from cadence.training.run_files import (CHECKPOINT, CKPT_FORMAT, LOG, Log, Window, diff, load_checkpoint,
+                                        peak_memory_mib, rng_state, set_rng_state, trim_log)
 
 
 @dataclass
@@ -188,46 +187,6 @@ class _Trainable(nn.Module):
         return self.heads.train_features(hidden, ids)
 
 
-def _rng_state() -> dict:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
-def load_checkpoint(path: Path) -> dict:
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise CadenceError(f"checkpoint {path} is unreadable ({exc}); delete it to start over") from exc
-    if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT:
-        raise CadenceError(f"{path} is not a cadence training checkpoint")
-    return ck
-
-
-def _diff(old: dict, new: dict) -> dict:
-    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
-
-
-def peak_memory_mib(device: torch.device | None = None) -> dict:
-    """Peak resident memory of this process (ru_maxrss) and, on CUDA, peak allocated."""
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if sys.platform == "darwin":  # bytes there
-        rss_kib //= 1024
-    out = {"max_rss_mib": round(rss_kib / 1024, 1)}
-    if device is not None and device.type == "cuda":
-        out["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
-    return out
-
-
 @dataclass
 class TrainResult:
     status: str  # "finished" | "stopped"
@@ -296,8 +255,8 @@ class _Run:
         self._setup_loss()
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            _trim_log(self.out / LOG, self.step)
-        self.log = _Log(self.out / LOG, self.main)
+            trim_log(self.out / LOG, self.step)
+        self.log = Log(self.out / LOG, self.main)
 
     # ------------------------------------------------------------ setup
 
@@ -317,7 +276,7 @@ class _Run:
             self.ckpt = load_checkpoint(self.ckpt_path)
             if self.ckpt["config"] != self.fp:
                 raise CadenceError(f"{self.ckpt_path} was written with other settings "
-                                   f"{_diff(self.ckpt['config'], self.fp)}; "
+                                   f"{diff(self.ckpt['config'], self.fp)}; "
                                    "resume with the same settings or use a new --out")
             self.shards = self.ckpt["shards"]  # the data set as it was when training started
         else:
@@ -405,7 +364,7 @@ class _Run:
                 self.optimizer.load_state_dict(ckpt["optimizer"])
             self.sched.load_state_dict(ckpt["scheduler"])
             self.step, self.tokens_done, self.train_seconds = ckpt["step"], ckpt["tokens"], ckpt["train_seconds"]
-            _set_rng_state(ckpt["rng"])
+            set_rng_state(ckpt["rng"])
 
     def _setup_rows(self) -> None:
         """Packed rows of both splits and their datasets."""
@@ -475,7 +434,7 @@ class _Run:
         accelerator.wait_for_everyone()
         state = {"format": CKPT_FORMAT, "config": self.fp, "shards": self.shards, "step": self.step,
                  "tokens": self.tokens_done, "train_seconds": self.train_seconds,
-                 "scheduler": self.sched.state_dict(), "rng": _rng_state()}
+                 "scheduler": self.sched.state_dict(), "rng": rng_state()}
         if self.sharded:
             state["state_dir"] = f"state-{self.step:08d}"
             accelerator.save_state(str(out / state["state_dir"]))  # every rank writes its shard
@@ -567,7 +526,7 @@ class _Run:
                         disable=not (self.main and cfg.progress), dynamic_ncols=True)
         self.start_step = self.step
         self.status = "finished"
-        self.win = _Window(cfg.num_heads)
+        self.win = Window(cfg.num_heads)
         while self.step < cfg.steps and self.status != "stopped":
             epoch, within = divmod(self.step, self.steps_per_epoch)
             dl = self._epoch_loader(epoch, within)
@@ -619,48 +578,3 @@ class _Run:
             atomic_write_json(self.out / "summary.json", summary)
         accelerator.wait_for_everyone()
         return TrainResult(status, self.step, summary, inner)
-
-
-class _Window:
-    """Per-process sums since the last log record."""
-
-    def __init__(self, K: int):
-        self.K = K
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss, self.n, self.tokens, self.seconds = 0.0, 0, 0, 0.0
-        self.heads = [0.0] * self.K
-
-    def add(self, loss: float, parts: list[float], tokens: int) -> None:
-        self.loss += loss
-        self.n += 1
-        self.tokens += tokens
-        self.heads = [a + (0.0 if math.isnan(b) else b) for a, b in zip(self.heads, parts)]
-
-
-class _Log:
-    """Append-only JSONL training log, written by the main process."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
-
-    def write(self, rec: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(rec) + "\n")
-
-
-def _trim_log(path: Path, step: int) -> None:
-    """Drop log records after ``step`` (written by a run that was interrupted after its checkpoint)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    atomic_write(path, lambda tmp: tmp.write_text("".join(x + "\n" for x in keep)))
