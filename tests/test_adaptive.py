@@ -72,7 +72,7 @@ def test_greedy_requests_learn_from_shadows_before_paying_for_a_verify():
     assert all(p.tree.size == 1 for p in plans)  # drafts that never hit never cost a verify
     shadows = [i for i, p in enumerate(plans) if p.shadow]
     gaps = [b - a for a, b in zip(shadows, shadows[1:])]
-    assert gaps[:5] == [2, 4, 8, 16, 16]  # spaced 1, 2, 4, ... 16 root steps apart while they miss
+    assert gaps[:12] == [1] * 7 + [2, 4, 8, 16, 16]  # 8 in a row, then spaced out while they miss
 
 
 def test_a_shadow_hit_opens_only_the_cheapest_tree_and_a_real_hit_the_frontier():

@@ -56,6 +56,8 @@ class MethodSpec:
                 "adaptive, adaptive-k, entmtp (lossless); lossy, opt-in: clp-unverified, confidence"})
     profile: str = field(default="general", metadata={
         "help": "entmtp: acceptance profile (general | humaneval | gsm8k | sharegpt | writing)"})
+    ent_window: int = field(default=1, metadata={
+        "help": "entmtp-adaptive: steps of root entropy averaged to pick the bin (1 = the current root)"})
     clp: str = field(default="", metadata={"help": "clp schedulers: path of the trained CLP (default: beside the heads)"})
     confidence: str = field(default="", metadata={
         "help": "confidence scheduler: path of the trained confidence head (default: beside the heads)"})

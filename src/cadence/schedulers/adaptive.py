@@ -36,9 +36,12 @@ alone with a *shadow* draft (``Plan.shadow``): the depth-1 top candidate is draf
 head call, about 1 ms) and checked against the token the root's forward produces, at no
 verify cost. A shadow counts as evidence for depth 1 like a real step (hit or miss
 against the table's top-1 acceptance). A shadow hit lets the cheapest tree run; only a
-real accepted draft opens the whole frontier. Shadows are spaced 1, 2, 4, ... up to
-``max_shadow_every`` root steps apart while they miss (back to 1 on a hit), so a request
-nothing can predict pays about one head call per 16 tokens. At T > 0
+real accepted draft opens the whole frontier. The first ``first_shadows`` root steps of a
+request each carry a shadow (text often starts with something unpredictable, a title or
+a name: four misses in a row happen one time in eight at 40% acceptance); after that,
+shadows are spaced 2, 4, ... up to ``max_shadow_every`` root steps apart while they miss
+(back to 1 on a hit), so a request nothing can predict pays about one head call per 16
+tokens. At T > 0
 the real tries above remain (a shadow would consume the request's random stream).
 
 Worked example: candidates root (40 ms) and a 1-draft chain (44 ms) with reach [0.7]:
@@ -112,7 +115,7 @@ class AdaptiveScheduler:
 
     def __init__(self, candidates: list[Candidate], window: int = 16, explore_every: int = 8,
                  margin: float = 0.05, prior_weight: float = 1.0, max_explore_every: int = 64,
-                 shadow_q: float | None = None, max_shadow_every: int = 16,
+                 shadow_q: float | None = None, max_shadow_every: int = 16, first_shadows: int = 8,
                  costs: StepCosts | None = None):
         """shadow_q: the table's P(the depth-1 top candidate is accepted); set it to plan
         shadow drafts (greedy requests only), None for real tries. costs: the engine's
@@ -132,6 +135,7 @@ class AdaptiveScheduler:
         self.last: Candidate | None = None
         self.shadow_q = shadow_q if len(self.cands) > 1 else None
         self.shadow_every, self.max_shadow_every = 1, max_shadow_every
+        self.shadows_left = first_shadows  # shadows before spacing them out
         self.opened = False  # a draft (shadow or real) of this request would have been accepted
 
     def factors(self) -> list[float]:
@@ -183,7 +187,11 @@ class AdaptiveScheduler:
     def _observe_shadow(self, hit: bool) -> None:
         """A shadow draft: depth-1 evidence at the table's top-1 acceptance."""
         self.opened = self.opened or hit
-        self.shadow_every = 1 if hit else min(2 * self.shadow_every, self.max_shadow_every)
+        self.shadows_left -= 1
+        if hit or self.shadows_left > 0:
+            self.shadow_every = 1
+        else:
+            self.shadow_every = min(2 * self.shadow_every, self.max_shadow_every)
         self.hits[0] = self.beta * self.hits[0] + hit
         self.expected[0] = self.beta * self.expected[0] + self.shadow_q
 
