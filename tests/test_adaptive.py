@@ -119,3 +119,15 @@ def test_step_costs_borrow_the_other_kind_until_observed_and_clip_outliers():
     c.record(True, 10.0, 0.01)  # a step the OS stalled counts as 3x, not 1000x
     c.record(True, 0.01, 0.01)
     assert c.factor(True) == pytest.approx(2.0)
+
+
+def test_entmtp_adaptive_refuses_bad_settings_clearly():
+    from cadence.errors import CadenceError
+    from cadence.methods import Method, MethodSpec, make_engine
+    from tiny import tiny_backbone
+
+    bb = tiny_backbone("llama")
+    with pytest.raises(CadenceError, match="--ent-window must be >= 1"):
+        make_engine(bb, MethodSpec(method=Method.HYDRA, heads="random", scheduler="entmtp-adaptive", ent_window=0))
+    with pytest.raises(CadenceError, match="no 'general' acceptance profile"):
+        make_engine(bb, MethodSpec(method=Method.HYDRA, heads="random", scheduler="entmtp-adaptive"))

@@ -59,14 +59,14 @@ class BinnedAdaptiveScheduler(AdaptiveScheduler):
                "entropy picks the bin, the bin's trees are valued with the acceptance seen so far "
                "in the request (--profile TASK; lossless)")
 def build(ctx):
+    if ctx.spec.ent_window < 1:
+        raise CadenceError(f"--ent-window must be >= 1, got {ctx.spec.ent_window}")
     heads_dir = getattr(ctx.heads, "source_dir", None)
     profiles = load_profiles(heads_dir)
     name = ctx.spec.profile
     if name not in profiles:
         raise CadenceError(f"no {name!r} acceptance profile for these heads ({heads_dir or 'random heads'}): "
                            f"run `cadence calibrate --heads DIR` (profiles there: {', '.join(profiles) or 'none'})")
-    if ctx.spec.ent_window < 1:
-        raise CadenceError(f"--ent-window must be >= 1, got {ctx.spec.ent_window}")
     if ctx.policy.latency is None:
         raise CadenceError("entmtp-adaptive needs this machine's verify latency (heads without acceptance tables?)")
     profile, cache, costs = profiles[name], {}, StepCosts()
