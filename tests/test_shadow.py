@@ -58,3 +58,26 @@ def test_shadow_is_none_unless_asked(bb):
     ids = [5, 17, 33]
     ref = Engine(bb).generate(ids, GenerationConfig(max_new_tokens=8))
     assert all(s.shadow is None for s in ref.stats.step_log)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_the_cheap_shadow_is_the_token_a_one_draft_chain_carries(bb, copy):
+    """HeadDrafter.shadow (the copy first, else head 1's argmax) == draft(chain of 1)."""
+    import torch
+
+    from cadence.context_copy import CopyConfig
+    from cadence.drafter import HeadDrafter
+    from cadence.engine import SHADOW_CHAIN
+    from cadence.heads import new_heads
+    from cadence.sampling import SamplingParams
+
+    drafter = HeadDrafter(new_heads("hydra", bb, 2, random=True, seed=4), CopyConfig() if copy else None)
+    gen = torch.Generator().manual_seed(0)
+    context = [1, 2, 3, 4, 9, 1, 2]  # root 3: "1 2 3" was followed by 4 -> a copy
+    for root in (3, 5, 8, 11, 40):
+        h = torch.randn(bb.hidden_size, generator=gen)
+        full = drafter.draft(SHADOW_CHAIN, root, h, context, SamplingParams(), None, drafter.new_index())
+        cheap = drafter.shadow(root, h, context, drafter.new_index())
+        assert cheap == int(full.tokens[1])
+        if copy and root == 3:
+            assert cheap == 4

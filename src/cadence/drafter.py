@@ -206,6 +206,25 @@ class HeadDrafter:
                         filled[child] = False
         return _drop_unfilled(tree, tokens, filled, q, device)
 
+    @torch.inference_mode()
+    def shadow(self, root: int, hidden: torch.Tensor, context, copies: NgramIndex | None = None) -> int:
+        """The depth-1 top candidate at T = 0: the token a 1-draft chain would carry (the same
+        as ``draft`` of that chain), made cheaply for a shadow draft: the context copy when
+        there is one (no head call), else head 1's argmax. hidden: (d,) state that produced
+        ``root``. Per-position heads only (attention heads go through ``draft``).
+
+        Example: context [.., 5, 6], root 7, and 5 6 7 was followed by 9 earlier -> 9."""
+        if copies is not None:
+            seq = list(context) + [root]
+            copies.sync(seq)
+            tok = copies.lookup(seq[-copies.cfg.max_n:])
+            if tok is not None:
+                return tok
+        state = self.heads.init_state(hidden[None])  # (1, d)
+        logits, vocab_ids, _ = self.heads.draft_step(1, state, torch.tensor([root], device=hidden.device))
+        best = int(logits[0].argmax())
+        return int(vocab_ids[best]) if vocab_ids is not None else best
+
     def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n):
         """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0."""
         if sampling.greedy:

@@ -335,6 +335,9 @@ class Request:
         true next token b, and the scheduler is told d == b."""
         if not plan.shadow or plan.tree.size != 1 or not self.sampling.greedy:
             return None
+        drafter = self.engine.drafter
+        if hasattr(drafter, "shadow") and not getattr(drafter.heads, "attends", False):
+            return drafter.shadow(self.root, self.hidden, self.context, self.copies)
         tree, tokens, _ = self._draft(SHADOW_CHAIN)
         return int(tokens[1]) if tree.size == 2 else None
 
