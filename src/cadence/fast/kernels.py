@@ -40,6 +40,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
         self.kind = kind
+        self.min_rows = 1  # inputs with fewer rows are padded (``consistent``: same bits at any M)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         w = weight.detach()
@@ -54,9 +55,12 @@ class Linear:
         if self.kind == "aten":
             return F.linear(x, self.w, self.bias)
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.w,
-                                               self.bias, "none", [], "")
-        return y.view(*lead, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        if m < self.min_rows:
+            x2 = torch.cat([x2, x2[-1:].expand(self.min_rows - m, -1)])
+        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.w, self.bias, "none", [], "")
+        return y[:m].view(*lead, self.out_features)
 
     def nbytes(self) -> int:
         n = self.out_features * self.in_features * torch.empty((), dtype=self.w.dtype).element_size()

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from cadence.backbone import Backbone, ForwardOut
 from cadence.errors import CadenceError
-from cadence.fast import arch, rope
+from cadence.fast import arch, consistent, rope
 from cadence.fast.cache import BatchKVCache, StaticKVCache
 from cadence.fast.kernels import Linear, resolve_kind
 
@@ -64,6 +64,10 @@ class FastBackbone(Backbone):
         self.rope = rope.RopeTable(model.model.rotary_emb, self.max_positions, self.dtype, self.device)
         self._head = Linear(self.lm_head.weight, self.lm_head.bias, "onednn" if self.pack_head else
                             ("onednn-dense" if self.kernel.startswith("onednn") else "aten"))
+        self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
+        if self.consistent:
+            for lin in [self._head] + [getattr(layer, n) for layer in self._layers for n in ("qkv", "o", "gate_up", "down")]:
+                lin.min_rows = consistent.MIN_ROWS
         self._hook = None
         if self._released:
             self._hook = self.model.register_forward_pre_hook(lambda mod, args: self._restore())
@@ -220,14 +224,16 @@ class FastBackbone(Backbone):
             hidden = self.hidden_states(input_ids, cache, position_ids, tree_mask, attention_mask)
             return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
 
-    def _mask(self, n: int, past: int, tree_mask, cached: bool):
-        """One (n, past + n) bool mask for every layer, or None when none is needed."""
-        if tree_mask is None and (n == 1 or not cached or past == 0):
+    def _mask(self, n: int, past: int, tree_mask, cached: bool, keys: int | None = None):
+        """One (n, past + n) bool mask for every layer, or None when none is needed.
+        ``keys`` > past + n: that many columns, the extra ones masked (``fast.consistent``)."""
+        if keys is None and tree_mask is None and (n == 1 or not cached or past == 0):
             return None  # single query, or plain causal (is_causal) over the new tokens only
-        allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
+        allowed = torch.zeros(n, keys or past + n, dtype=torch.bool, device=self.device)
+        allowed[:, :past] = True
         block = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_() if tree_mask is None \
             else tree_mask.to(device=self.device, dtype=torch.bool)
-        allowed[:, past:] = block
+        allowed[:, past:past + n] = block
         return allowed
 
     def _padded_mask(self, pad: torch.Tensor) -> torch.Tensor:
@@ -257,19 +263,25 @@ class FastBackbone(Backbone):
         causal = mask is None and tree_mask is None and n > 1  # plain causal over new tokens only
         if pad is not None and not bool(pad.all()):
             mask, causal = self._padded_mask(pad), False
+        keys = past + n  # keys attended to: the real ones, or (consistent) a whole number of blocks
+        steady = self.consistent and cache is not None and (past > 0 or tree_mask is not None)
+        if steady:
+            keys = consistent.key_length(past + n, cache.capacity)
+            mask, causal = self._mask(n, past, tree_mask, True, keys), False
         store = None
         if cache is not None:
-            def store(i, k, v):  # append at [past, past + n); attend to [0, past + n)
+            def store(i, k, v):  # append at [past, past + n); attend to [0, keys)
                 cache.k[i, :, :, past:past + n] = k
                 cache.v[i, :, :, past:past + n] = v
-                return cache.k[i, :, :, :past + n], cache.v[i, :, :, :past + n]
-        x = self._layers_forward(input_ids, cos, sin, mask, causal, store)
+                return cache.k[i, :, :, :keys], cache.v[i, :, :, :keys]
+        x = self._layers_forward(input_ids, cos, sin, mask, causal, store, pad_queries=steady)
         if cache is not None:
             cache.advance(n)
         return x
 
-    def _layers_forward(self, input_ids, cos, sin, mask, causal: bool, store) -> torch.Tensor:
-        """Embedding, decoder layers and final norm -> (b, n, d). ``store(layer, k, v)``
+    def _layers_forward(self, input_ids, cos, sin, mask, causal: bool, store, pad_queries: bool = False) -> torch.Tensor:
+        """Embedding, decoder layers and final norm -> (b, n, d). ``pad_queries``: attention
+        through ``consistent.attend`` (at least 4 query rows). ``store(layer, k, v)``
         (k, v of shape (b, kv_heads, n, head_dim)) writes the new keys/values to a cache and
         returns the keys/values to attend to; None: attend to the new tokens only."""
         s = self.spec
@@ -291,7 +303,10 @@ class FastBackbone(Backbone):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if store is not None:
                 k, v = store(i, k, v)
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+            if pad_queries:
+                att = consistent.attend(q, k, v, mask, gqa)
+            else:
+                att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
             x = x + layer.o(att.transpose(1, 2).reshape(b, n, H * hd))
             h = _rms(x, layer.ln2, s.eps)
             gu = layer.gate_up(h)

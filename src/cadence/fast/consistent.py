@@ -1,0 +1,62 @@
+"""Row-consistent bf16 forwards on oneDNN CPUs: a token's logits do not depend on what
+else is in the forward.
+
+Speculative decoding is lossless only if the verify forward over a tree of n nodes gives
+every accepted node the logits plain decoding's one-token forward gives it. In fp32 the
+two differ by about 1e-5 (a greedy divergence is then a near-tie); in bf16 they differed
+by up to 0.7 logits on the Zen 5 EPYC, so bf16 speculation was not lossless there, though
+a bf16 verify over 8 nodes costs only 1.04 one-token forwards. Three kernels take a
+different path for small or ragged shapes (``benchmarks/consistency.py`` finds them):
+
+1. oneDNN GEMMs at M = 1 row against M >= 2 (the down projection, K = 1536);
+2. PyTorch's CPU attention with fewer than 4 query rows against 4 or more;
+3. attention over a key count that is not a multiple of the kernel's key block (the
+   last, partial block is reduced another way).
+
+The cure costs almost nothing in bf16, where 2 rows are no slower than 1: GEMM inputs are
+padded to ``MIN_ROWS`` rows, queries to ``MIN_QUERIES`` (repeats of the last row, their
+outputs dropped), keys to a multiple of ``KEY_BLOCK`` (entries masked out, read from the
+cache's preallocated, zero-initialised buffer).
+
+Measured with the shipped SmolLM2 in bf16, 2 threads (root logits of a 1-token forward
+against trees of 2-33 nodes on random contexts of 50-400 tokens): 37 of 48 differed
+(up to 0.44) before; 2 of 100 after, both where the tree's keys reach into the next
+64-key block and the 1-token forward's do not (then attention still differs, by up to
+0.125 in the logits). So bf16 speculation is much closer to bf16 plain decoding, not
+byte-identical: a divergence at a block crossing is a near-tie and must be reported as one.
+
+Knows: the padding rules and when they are on. Does not know models, caches or trees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 2  # GEMM rows
+MIN_QUERIES = 4  # attention query rows
+KEY_BLOCK = 64  # attention keys are padded to a multiple of this
+
+
+def wanted(kernel: str, dtype: torch.dtype) -> bool:
+    """On for bf16 through oneDNN (CPU). fp32 is left alone: there a 2-row GEMM costs 1.1
+    one-row GEMMs on the EPYC, and the differences are near-ties of about 1e-5."""
+    return kernel.startswith("onednn") and dtype == torch.bfloat16
+
+
+def key_length(length: int, capacity: int) -> int:
+    """Keys attended to when ``length`` are real: rounded up to a multiple of KEY_BLOCK, at
+    most ``capacity``. Example: 200 -> 256; 256 -> 256; 1000 with capacity 1000 -> 1000."""
+    return min(-(-length // KEY_BLOCK) * KEY_BLOCK, capacity)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """Attention with at least MIN_QUERIES query rows. q: (b, H, n, d); k, v: (b, KV, L, d);
+    mask: (n, L) or (b, 1, n, L) bool (True = may attend) -> (b, H, n, d)."""
+    n = q.shape[2]
+    if n < MIN_QUERIES:
+        extra = MIN_QUERIES - n
+        q = torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
+        mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, -1)], dim=-2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out[:, :, :n]

@@ -1,0 +1,68 @@
+"""Row-consistent bf16 forwards (``cadence.fast.consistent``)."""
+
+import pytest
+import torch
+
+from cadence.fast import consistent
+from cadence.fast.cpu import onednn_available
+from cadence.fast.kernels import Linear
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="oneDNN kernels only")
+
+
+def test_key_length_rounds_up_to_whole_blocks_within_the_capacity():
+    assert consistent.key_length(200, 1024) == 256
+    assert consistent.key_length(256, 1024) == 256
+    assert consistent.key_length(1000, 1000) == 1000
+
+
+@needs_onednn
+def test_a_padded_gemm_gives_a_row_the_bits_it_gets_in_any_batch():
+    """On the Zen 5 EPYC, 6 of these 64 rows came out differently alone (M = 1) than in the
+    batch with min_rows = 1; padded to 2 rows, none does (at any M)."""
+    torch.manual_seed(0)
+    w = (torch.randn(576, 1536) * 0.03).to(torch.bfloat16)
+    x = (torch.randn(64, 1536) * 2).to(torch.bfloat16)
+    lin = Linear(w, None, "onednn")
+    lin.min_rows = consistent.MIN_ROWS
+    full = lin(x)
+    for i in range(64):
+        assert torch.equal(lin(x[i:i + 1])[0], full[i])
+    assert torch.equal(lin(x[5:13]), full[5:13])
+
+
+def test_attend_pads_queries_and_returns_only_the_real_rows():
+    torch.manual_seed(0)
+    q = torch.randn(1, 6, 2, 16)
+    k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    mask = torch.zeros(2, 64, dtype=torch.bool)
+    mask[:, :40] = True
+    out = consistent.attend(q, k, v, mask, gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :40], v[:, :, :40], enable_gqa=True)
+    assert out.shape == (1, 6, 2, 16)
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+@needs_onednn
+def test_bf16_tree_and_one_token_forwards_agree_on_the_root():
+    from cadence.fast.model import FastBackbone
+    from cadence.scorer import score
+    from cadence.trees import compile_tree, grow_tree, prior_acceptance
+    from tiny import tiny_backbone
+
+    plain = tiny_backbone("llama", hidden=768, layers=4)  # down projection K = 1536, as SmolLM2's
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain)
+    assert bb.consistent == consistent.wanted(bb.kernel, bb.dtype)
+    gen = torch.Generator().manual_seed(0)
+    for past in (10, 70, 130, 200, 260, 330, 390):  # no tree below reaches into the next 64-key block
+        cache = bb.new_cache()
+        bb.forward(torch.randint(0, bb.vocab_size, (1, past), generator=gen), cache, need_logits=False)
+        root = torch.randint(0, bb.vocab_size, (1,), generator=gen)
+        one = score(bb, cache, past, compile_tree([], name="r"), root).logits[0, 0]
+        cache.compact(past, [])
+        for n in (2, 5):
+            tree = compile_tree(grow_tree(prior_acceptance(4, ranks=n), n - 1), name="t")
+            toks = torch.cat([root, torch.randint(0, bb.vocab_size, (tree.size - 1,), generator=gen)])
+            assert torch.equal(score(bb, cache, past, tree, toks).logits[0, 0], one)
+            cache.compact(past, [])
