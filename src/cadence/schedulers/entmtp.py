@@ -86,10 +86,9 @@ def bin_trees(profile: Profile, copying: bool, latency, draft_s: float, num_head
     return out
 
 
-@register("entmtp", lossy=False,
-          help="entropy-guided switching among trees calibrated per entropy bin (--profile TASK; "
-               "needs profiles.json from `cadence calibrate`; lossless)")
-def build_entmtp(ctx):
+def profile_for(ctx, scheduler: str) -> Profile:
+    """The heads' ``--profile`` acceptance profile, or a clear error (no profiles.json, no
+    such task, no latency curve: heads without acceptance tables)."""
     heads_dir = getattr(ctx.heads, "source_dir", None)
     profiles = load_profiles(heads_dir)
     name = ctx.spec.profile
@@ -97,8 +96,15 @@ def build_entmtp(ctx):
         raise CadenceError(f"no {name!r} acceptance profile for these heads ({heads_dir or 'random heads'}): "
                            f"run `cadence calibrate --heads DIR` (profiles there: {', '.join(profiles) or 'none'})")
     if ctx.policy.latency is None:
-        raise CadenceError("entmtp needs this machine's verify latency (heads without acceptance tables?)")
-    profile, cache = profiles[name], {}
+        raise CadenceError(f"{scheduler} needs this machine's verify latency (heads without acceptance tables?)")
+    return profiles[name]
+
+
+@register("entmtp", lossy=False,
+          help="entropy-guided switching among trees calibrated per entropy bin (--profile TASK; "
+               "needs profiles.json from `cadence calibrate`; lossless)")
+def build_entmtp(ctx):
+    profile, cache = profile_for(ctx, "entmtp"), {}
 
     def factory(sampling):
         copying = ctx.drafter.copy is not None and sampling.greedy

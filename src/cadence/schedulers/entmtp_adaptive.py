@@ -23,10 +23,9 @@ the table favours; entropy 2.0 -> bin 2, whose best may be a 1-draft chain or th
 from __future__ import annotations
 
 from cadence.errors import CadenceError
-from cadence.profiles import load_profiles
 from cadence.schedulers.adaptive import AdaptiveScheduler, Candidate, frontier
 from cadence.schedulers.base import Plan, StepState
-from cadence.schedulers.entmtp import EntropyEMA
+from cadence.schedulers.entmtp import EntropyEMA, profile_for
 from cadence.schedulers.registry import register
 from cadence.schedulers.step_costs import StepCosts
 
@@ -61,15 +60,7 @@ class BinnedAdaptiveScheduler(AdaptiveScheduler):
 def build(ctx):
     if ctx.spec.ent_window < 1:
         raise CadenceError(f"--ent-window must be >= 1, got {ctx.spec.ent_window}")
-    heads_dir = getattr(ctx.heads, "source_dir", None)
-    profiles = load_profiles(heads_dir)
-    name = ctx.spec.profile
-    if name not in profiles:
-        raise CadenceError(f"no {name!r} acceptance profile for these heads ({heads_dir or 'random heads'}): "
-                           f"run `cadence calibrate --heads DIR` (profiles there: {', '.join(profiles) or 'none'})")
-    if ctx.policy.latency is None:
-        raise CadenceError("entmtp-adaptive needs this machine's verify latency (heads without acceptance tables?)")
-    profile, cache, costs = profiles[name], {}, StepCosts()
+    profile, cache, costs = profile_for(ctx, "entmtp-adaptive"), {}, StepCosts()
 
     def factory(sampling):
         copying = ctx.drafter.copy is not None and sampling.greedy and bool(profile.copy_tables)
