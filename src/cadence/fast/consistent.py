@@ -4,7 +4,7 @@ else is in the forward.
 Speculative decoding is lossless only if the verify forward over a tree of n nodes gives
 every accepted node the logits plain decoding's one-token forward gives it. In fp32 the
 two differ by about 1e-5 (a greedy divergence is then a near-tie); in bf16 they differed
-by up to 0.7 logits on the Zen 5 EPYC, so bf16 speculation was not lossless there, though
+by up to 0.5 logits on the Zen 5 EPYC, so bf16 speculation was not lossless there, though
 a bf16 verify over 8 nodes costs only 1.04 one-token forwards. Three kernels take a
 different path for small or ragged shapes (``benchmarks/consistency.py`` finds them):
 
@@ -18,9 +18,9 @@ padded to ``MIN_ROWS`` rows, queries to ``MIN_QUERIES`` (repeats of the last row
 outputs dropped), keys to a multiple of ``KEY_BLOCK`` (entries masked out, read from the
 cache's preallocated, zero-initialised buffer).
 
-Measured with the shipped SmolLM2 in bf16, 2 threads (root logits of a 1-token forward
-against trees of 2-33 nodes on random contexts of 50-400 tokens): 37 of 48 differed
-(up to 0.44) before; 2 of 100 after, both where the tree's keys reach into the next
+Measured with the shipped SmolLM2 in bf16, 2 threads (``benchmarks/consistency.py``: root
+logits of a 1-token forward against trees of 2-33 nodes on random contexts of 50-400
+tokens): 82 of 100 differed (up to 0.50) without the padding; 2 of 100 with it, both where the tree's keys reach into the next
 64-key block and the 1-token forward's do not (then attention still differs, by up to
 0.125 in the logits). So bf16 speculation is much closer to bf16 plain decoding, not
 byte-identical: a divergence at a block crossing is a near-tie and must be reported as one.

@@ -8,7 +8,7 @@ The verify latency curve (``cadence.latency``) is probed in isolation: a scored 
 on a fixed context. A real step also drafts, verifies, compacts the cache and commits,
 and the machine may have changed since the probe (a curve cached while another job
 ran). Only the *relative* cost of speculating matters to a scheduler, and it is biased
-one way here: on this CPU a 2-node step cost 1.29 root steps where the curve plus the
+one way here: in a traced request on the Zen 5 EPYC a 2-node step cost 1.29 root steps where the curve plus the
 drafting estimate said 1.15, so requests whose drafts mostly miss kept paying for
 tries. ``factor(spec)`` is the running mean of observed / predicted for that kind of
 step; schedulers multiply a candidate's predicted seconds by it. Until a kind has

@@ -1,0 +1,59 @@
+"""Do a tree forward and a one-token forward give the root the same logits?
+
+For random contexts of 50-400 tokens, the root's logits from a one-token verify forward
+are compared with those from trees of 2, 3, 8, 16 and 33 nodes at the same position, on
+the fast backend. Prints how many differ and by how much. ``--off`` disables the
+row-consistent padding (``cadence.fast.consistent``) to show what it fixes.
+
+Usage:  python benchmarks/consistency.py [--dtype bfloat16] [--contexts 20] [--off]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import cadence.fast.consistent as consistent
+from cadence.backbone import load_backbone
+from cadence.machine import machine_info, machine_line
+from cadence.scorer import score
+from cadence.trees import compile_tree, grow_tree, prior_acceptance
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--contexts", type=int, default=20)
+    ap.add_argument("--off", action="store_true", help="no row-consistent padding")
+    args = ap.parse_args()
+    if args.off:
+        consistent.wanted = lambda kernel, dtype: False
+    bb = load_backbone(args.model, args.dtype, backend="fast")
+    bad, total = [], 0
+    for seed in range(args.contexts):
+        g = torch.Generator().manual_seed(seed)
+        past = int(torch.randint(50, 400, (1,), generator=g))
+        cache = bb.new_cache()
+        bb.forward(torch.randint(0, bb.vocab_size, (1, past), generator=g), cache, need_logits=False)
+        root = torch.randint(0, bb.vocab_size, (1,), generator=g)
+        one = score(bb, cache, past, compile_tree([], name="root"), root).logits[0, 0]
+        cache.compact(past, [])
+        for n in (2, 3, 8, 16, 33):
+            tree = compile_tree(grow_tree(prior_acceptance(8, ranks=n), n - 1), name=f"probe-{n}")
+            tokens = torch.cat([root, torch.randint(0, bb.vocab_size, (tree.size - 1,), generator=g)])
+            logits = score(bb, cache, past, tree, tokens).logits[0, 0]
+            cache.compact(past, [])
+            total += 1
+            diff = float((logits - one).abs().max())
+            if diff > 0:
+                bad.append((past, n, diff))
+    print(f"{machine_line(machine_info())}; {bb.dtype}, padding {'off' if args.off else 'on' if bb.consistent else 'not used'}")
+    print(f"{len(bad)} of {total} root logits differ; largest {max((d for *_, d in bad), default=0):.4f}")
+    for past, n, diff in bad[:10]:
+        print(f"  context {past}, {n} nodes: {diff:.4f}")
+
+
+if __name__ == "__main__":
+    main()
