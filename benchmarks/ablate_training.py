@@ -138,7 +138,8 @@ def attention_cells() -> list[Cell]:
     """Extra cells for the attention-bearing heads (run with --cells NAME ...): data and loss at 1x."""
     return [Cell(f"{kind}-{data}-1x-{loss}", data, "1x", loss, kind=kind)
             for kind in ATTENTION_KINDS for data, loss in (("sd", "ce"), ("ref", "ce"), ("sd", "kl"),
-                                                           ("sd", "ce+adamtp"))]
+                                                           ("sd", "ce+adamtp"), ("mix", "ce"),
+                                                           ("sd", "kl+adamtp"))]
 
 
 def grid_cells() -> list[Cell]:

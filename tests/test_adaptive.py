@@ -52,27 +52,34 @@ def test_a_request_whose_drafts_all_miss_falls_back_and_backs_off():
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # tries get rarer while they fail
 
 
-def shadowing(latency=DEAR, costs=None) -> AdaptiveScheduler:
+def shadowing(latency=DEAR, costs=None, **kw) -> AdaptiveScheduler:
     return AdaptiveScheduler(frontier(TABLE, latency, draft_s=0.0001, num_heads=3, max_depth=3),
-                             shadow_q=TABLE[0][0], costs=costs)
+                             shadow_q=TABLE[0][0], costs=costs, **kw)
 
 
 def run_shadowed(s: AdaptiveScheduler, hit: bool, accepted: int = 0, seconds: float = 0.01):
     """One step: a shadow step reports ``hit``; a real step accepts ``accepted`` drafts."""
     plan = s.choose(None)
-    shadow = hit if plan.shadow else None
+    shadows = (hit,) if plan.shadow else ()
     s.observe(StepInfo(tree=plan.tree.name, nodes=plan.tree.size, accepted=min(accepted, plan.tree.max_depth),
-                       seconds=seconds, depth=plan.tree.max_depth, shadow=shadow))
+                       seconds=seconds, depth=plan.tree.max_depth, shadows=shadows))
     return plan
 
 
 def test_greedy_requests_learn_from_shadows_before_paying_for_a_verify():
-    s = shadowing()
+    s = shadowing(max_shadow_every=16)
     plans = [run_shadowed(s, hit=False) for _ in range(64)]
     assert all(p.tree.size == 1 for p in plans)  # drafts that never hit never cost a verify
     shadows = [i for i, p in enumerate(plans) if p.shadow]
     gaps = [b - a for a, b in zip(shadows, shadows[1:])]
     assert gaps[:12] == [1] * 7 + [2, 4, 8, 16, 16]  # 8 in a row, then spaced out while they miss
+
+
+def test_by_default_every_root_step_carries_a_shadow_judged_in_batches():
+    s = shadowing()
+    plans = [run_shadowed(s, hit=False) for _ in range(32)]
+    assert all(p.tree.size == 1 and p.shadow for p in plans)
+    assert {p.shadow_batch for p in plans} == {4}
 
 
 def test_a_shadow_hit_opens_only_the_cheapest_tree_and_a_real_hit_the_frontier():

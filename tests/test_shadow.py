@@ -45,19 +45,19 @@ def test_shadow_reports_what_the_draft_would_have_scored_and_commits_nothing(bb,
     assert out.tokens == ref.tokens  # the shadow is never committed
     assert all(s.nodes == 1 and s.accepted == 0 for s in seen)  # only the root was verified
     # every step but the last one that drafts (its next token is past the reference's end)
-    assert [s.shadow for s in seen[:-1]] == [expect] * (len(seen) - 1)
+    assert [s.shadows for s in seen[:-1]] == [(expect,)] * (len(seen) - 1)
 
 
 def test_no_shadow_when_sampling(bb):
     ref, out, seen = run(bb, 0, temperature=0.8)
     assert out.tokens == ref.tokens  # same seed, nothing drawn for a shadow: the same stream
-    assert all(s.shadow is None for s in seen)
+    assert all(s.shadows == () for s in seen)
 
 
 def test_shadow_is_none_unless_asked(bb):
     ids = [5, 17, 33]
     ref = Engine(bb).generate(ids, GenerationConfig(max_new_tokens=8))
-    assert all(s.shadow is None for s in ref.stats.step_log)
+    assert all(s.shadows == () for s in ref.stats.step_log)
 
 
 @pytest.mark.parametrize("copy", [False, True])
@@ -81,3 +81,89 @@ def test_the_cheap_shadow_is_the_token_a_one_draft_chain_carries(bb, copy):
         assert cheap == int(full.tokens[1])
         if copy and root == 3:
             assert cheap == 4
+
+
+class ShadowBatched(ShadowEvery):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def choose(self, state):
+        return Plan(ROOT, shadow=True, shadow_batch=self.batch)
+
+
+class ReusedBuffers:
+    """The backbone, but every forward's hidden states land in one reused buffer (as a
+    fast backbone's preallocated outputs do): a state kept past its step must be copied."""
+
+    def __init__(self, bb):
+        self._bb, self._buf = bb, None
+
+    def __getattr__(self, name):
+        return getattr(self._bb, name)
+
+    def forward(self, *args, **kwargs):
+        import torch
+
+        out = self._bb.forward(*args, **kwargs)
+        if self._buf is None:
+            self._buf = torch.empty(1, 64, out.hidden.shape[-1], dtype=out.hidden.dtype)
+        n = out.hidden.shape[1]
+        if n > self._buf.shape[1]:
+            return out
+        self._buf[:, :n].copy_(out.hidden)
+        return type(out)(**{**vars(out), "hidden": self._buf[:, :n]})
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_batched_shadows_give_the_verdicts_one_at_a_time_would_give(bb, copy):
+    """Plan.shadow_batch = 4: head-drafted shadows are judged four at a time in one head
+    call, in order, with the same verdicts as judging each at once (also when the
+    backbone reuses its output buffers); context copies are judged at once; nothing is
+    committed differently."""
+    from cadence.context_copy import CopyConfig
+    from cadence.drafter import HeadDrafter
+    from cadence.heads import new_heads
+
+    ids = [5, 17, 33, 2, 9, 5, 17, 33]  # a repeat: the copy guesses some steps
+    cfg = GenerationConfig(max_new_tokens=24)
+    ref = Engine(bb).generate(ids, cfg)
+    seen = {}
+    for batch in (1, 4):
+        heads = new_heads("hydra", bb, 2, random=True, seed=1)
+        drafter = HeadDrafter(heads, CopyConfig() if copy else None)
+        sched = ShadowBatched(batch)
+        out = Engine(ReusedBuffers(bb), drafter, lambda sampling: sched).generate(ids, cfg)
+        assert out.tokens == ref.tokens
+        seen[batch] = sched.seen
+    one = [v for s in seen[1] for v in s.shadows]
+    batched = [v for s in seen[4] for v in s.shadows]
+    assert len(batched) >= len(one) - 3  # at most three still waiting at the end
+    assert batched == one[:len(batched)]
+    sizes = [len(s.shadows) for s in seen[4] if s.shadows]
+    assert max(sizes) >= 4 if not copy else max(sizes) >= 1
+    assert any(v is False for v in one) or any(one)  # shadows ran at all
+
+
+def test_a_pending_shadow_keeps_its_own_state_when_the_backbone_reuses_buffers(bb):
+    """Deferred (h, root) pairs hold the state each step really had, not whatever a later
+    forward wrote into a reused output buffer."""
+    import torch
+
+    from cadence.drafter import HeadDrafter
+    from cadence.heads import new_heads
+
+    ids = [5, 17, 33, 2]
+    drafter = HeadDrafter(new_heads("hydra", bb, 2, random=True, seed=1), None)
+    sched = ShadowBatched(64)  # never full: every shadow stays pending
+    req = Engine(ReusedBuffers(bb), drafter, lambda sampling: sched).start(ids, GenerationConfig(max_new_tokens=6))
+    for _ in req:
+        pass
+    rows = req.shadow_rows
+    assert len(rows) >= 3
+    seq = ids + req.tokens
+    full = bb.forward(torch.tensor([seq]), bb.new_cache()).hidden[0]  # (len, d)
+    for i, (h, root, truth) in enumerate(rows):  # step i: root = reply token i
+        at = len(ids) - 1 + i  # the position whose state produced it
+        assert (root, truth) == (seq[at + 1], seq[at + 2])
+        assert torch.allclose(h, full[at], atol=1e-4)

@@ -214,16 +214,27 @@ class HeadDrafter:
         ``root``. Per-position heads only (attention heads go through ``draft``).
 
         Example: context [.., 5, 6], root 7, and 5 6 7 was followed by 9 earlier -> 9."""
-        if copies is not None:
-            seq = list(context) + [root]
-            copies.sync(seq)
-            tok = copies.lookup(seq[-copies.cfg.max_n:])
-            if tok is not None:
-                return tok
-        state = self.heads.init_state(hidden[None])  # (1, d)
-        logits, vocab_ids, _ = self.heads.draft_step(1, state, torch.tensor([root], device=hidden.device))
-        best = int(logits[0].argmax())
-        return int(vocab_ids[best]) if vocab_ids is not None else best
+        tok = self.shadow_copy(root, context, copies)
+        return tok if tok is not None else self.shadow_heads(hidden[None], [root])[0]
+
+    def shadow_copy(self, root: int, context, copies: NgramIndex | None) -> int | None:
+        """The context copy's depth-1 candidate after ``root`` (no head call), or None."""
+        if copies is None:
+            return None
+        seq = list(context) + [root]
+        copies.sync(seq)
+        return copies.lookup(seq[-copies.cfg.max_n:])
+
+    @torch.inference_mode()
+    def shadow_heads(self, hidden: torch.Tensor, roots: list[int]) -> list[int]:
+        """Head 1's argmax for B (state, root) pairs in one head call: hidden (B, d), row i
+        the state that produced roots[i]. One call reads the head's weights once, so B
+        shadow drafts cost far less than B calls (on a 2-core EPYC, fp32 hydra heads: 0.57 ms
+        for 1 row, 0.87 ms for 4). Per-position heads only."""
+        state = self.heads.init_state(hidden)  # (B, d)
+        logits, vocab_ids, _ = self.heads.draft_step(1, state, torch.tensor(roots, device=hidden.device))
+        best = logits.argmax(dim=-1)  # (B,)
+        return (vocab_ids[best] if vocab_ids is not None else best).tolist()
 
     def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n):
         """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0."""

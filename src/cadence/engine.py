@@ -19,7 +19,8 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
      to the model's positions; the drafter fills it from (h, root). A root-alone plan
      may ask for a shadow draft (T = 0): the depth-1 top candidate is drafted (one head
      call, no verify cost) and, once the root's forward gives the true next token,
-     the scheduler learns whether it would have been accepted; it is never committed;
+     the scheduler learns whether it would have been accepted; it is never committed
+     (head-drafted shadows may wait for a batch of them: one head call judges them all);
   3. one backbone forward over the N+1 nodes with the tree mask, positions past+depth;
   4. verdict = rule(tree, tokens, logits): accepted nodes (root first) and a bonus;
   5. commit the accepted tokens (cut at EOS, the budget or a stop string), compact the
@@ -136,6 +137,8 @@ class PendingStep:
     q: torch.Tensor | None  # (N+1, V) draft distributions (T > 0), else None
     t_step: float  # perf_counter() when the step began
     shadow: int | None = None  # the shadow draft's token (Plan.shadow), checked against the bonus
+    shadow_later: torch.Tensor | None = None  # (d,) copy of the root's state: a shadow draft by the heads,
+    #                                          deferred to a batch (Plan.shadow_batch)
     rows: int = 1  # requests sharing the verify forward (set by a batched engine)
 
 
@@ -221,6 +224,7 @@ class Request:
         self.tokens: list[int] = []
         self.done = False
         self.cache = None  # created at the first step (prefill)
+        self.shadow_rows: list[tuple[torch.Tensor, int, int]] = []  # deferred shadows: (h (d,), root, truth)
         self._t0 = 0.0
 
     @property
@@ -264,7 +268,8 @@ class Request:
                           new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
         plan = self._plan(state, remaining)
         tree, tokens, q = self._draft(plan.tree)
-        return PendingStep(state, plan, tree, tokens, q, t_step, self._shadow(plan))
+        shadow, later = self._shadow(plan)
+        return PendingStep(state, plan, tree, tokens, q, t_step, shadow, later)
 
     def finish_step(self, job: "PendingStep", logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """Steps 4-5 for the verify forward's output over ``job.tree``'s N+1 nodes:
@@ -282,8 +287,8 @@ class Request:
         self.hidden, self.root_logits = hidden[verdict.path[-1]], logits[verdict.path[-1]]
         self.root = verdict.bonus
         committed = self._commit(tokens[verdict.path].tolist())
-        shadow = None if job.shadow is None else job.shadow == verdict.bonus
-        self._record(job, tree, len(verdict.path) - 1, time.perf_counter() - job.t_step, shadow)
+        shadows = self._judge_shadows(job, verdict.bonus)
+        self._record(job, tree, len(verdict.path) - 1, time.perf_counter() - job.t_step, shadows)
         return committed
 
     def _prefill(self) -> None:
@@ -328,18 +333,40 @@ class Request:
         depth = min(self.engine.drafter.max_depth(self.sampling), remaining - 1)
         return replace(plan, tree=truncate(plan.tree, depth)) if plan.tree.max_depth > depth else plan
 
-    def _shadow(self, plan: Plan) -> int | None:
-        """The shadow draft's token for a root-alone plan that asks for one (T = 0 only: at
-        T > 0 a draft would consume the request's random stream), else None. Example: root
-        r, the heads' (or a context copy's) next guess d; the root's forward then gives the
-        true next token b, and the scheduler is told d == b."""
+    def _shadow(self, plan: Plan) -> tuple[int | None, torch.Tensor | None]:
+        """(token, deferred) of the shadow draft of a root-alone plan that asks for one (T = 0
+        only: at T > 0 a draft would consume the request's random stream); (None, False) for
+        none. Example: root r, the heads' (or a context copy's) next guess d; the root's
+        forward then gives the true next token b, and the scheduler is told d == b. A guess
+        the per-position heads must make waits for ``plan.shadow_batch`` of them
+        (``_judge_shadows``): (None, a copy of the root's state: a fast backbone may reuse the
+        buffer it is in)."""
         if not plan.shadow or plan.tree.size != 1 or not self.sampling.greedy:
-            return None
+            return None, None
         drafter = self.engine.drafter
-        if hasattr(drafter, "shadow") and not getattr(drafter.heads, "attends", False):
-            return drafter.shadow(self.root, self.hidden, self.context, self.copies)
+        if hasattr(drafter, "shadow_heads") and not getattr(drafter.heads, "attends", False):
+            tok = drafter.shadow_copy(self.root, self.context, self.copies)
+            if tok is not None or plan.shadow_batch <= 1:
+                return (tok if tok is not None else drafter.shadow_heads(self.hidden[None], [self.root])[0]), None
+            return None, self.hidden.clone()
         tree, tokens, _ = self._draft(SHADOW_CHAIN)
-        return int(tokens[1]) if tree.size == 2 else None
+        return (int(tokens[1]) if tree.size == 2 else None), None
+
+    def _judge_shadows(self, job: PendingStep, truth: int) -> tuple[bool, ...]:
+        """Verdicts of the shadow drafts judged now: this step's own (its guess against
+        ``truth``, the token after its root), or, once ``job.plan.shadow_batch`` deferred
+        ones are pending, all of them in one head call. Example: batch 4, steps 1-3 defer
+        (verdicts ()), step 4 drafts the four guesses at once -> 4 verdicts, oldest first."""
+        if job.shadow is not None:
+            return (job.shadow == truth,)
+        if job.shadow_later is None:
+            return ()
+        self.shadow_rows.append((job.shadow_later, int(job.tokens[0]), truth))
+        if len(self.shadow_rows) < job.plan.shadow_batch:
+            return ()
+        rows, self.shadow_rows = self.shadow_rows, []
+        guesses = self.engine.drafter.shadow_heads(torch.stack([h for h, _, _ in rows]), [r for _, r, _ in rows])
+        return tuple(g == t for g, (_, _, t) in zip(guesses, rows))
 
     def _draft(self, tree):
         """(tree that runs, its (N+1,) tokens, q or None): the drafter fills the tree;
@@ -368,7 +395,7 @@ class Request:
         self.done = done
         return committed
 
-    def _record(self, job: PendingStep, tree, accepted: int, seconds: float, shadow: bool | None) -> None:
+    def _record(self, job: PendingStep, tree, accepted: int, seconds: float, shadows: tuple[bool, ...]) -> None:
         state, plan = job.state, job.plan
         stats = self.stats
         stats.steps += 1
@@ -380,7 +407,7 @@ class Request:
         info = StepInfo(tree=tree.name, nodes=tree.size, accepted=accepted, seconds=seconds,
                         depth=tree.max_depth, planned=plan.tree.name, verified=plan.verify,
                         entropy=state.entropy if self.engine.trace_entropy or "entropy" in vars(state) else None,
-                        shadow=shadow, rows=job.rows)
+                        shadows=shadows, rows=job.rows)
         stats.step_log.append(info)
         if self.scheduler is not None:
             self.scheduler.observe(info)

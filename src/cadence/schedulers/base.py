@@ -45,7 +45,9 @@ class Plan:
     tree: CompiledTree  # the tree to draft and verify (size 1 = the root alone, no drafts)
     verify: bool = True  # False: commit the drafted chain without a verify pass (lossy, opt-in schedulers only)
     shadow: bool = False  # root-alone plans, T = 0: also draft the depth-1 top candidate, unverified and
-    #                       never committed; whether it would have been accepted comes back in StepInfo.shadow
+    #                       never committed; whether it would have been accepted comes back in StepInfo.shadows
+    shadow_batch: int = 1  # head-drafted shadows wait until this many are pending, then run as one head
+    #                        call (cheaper per shadow, verdicts later); context copies are judged at once
 
 
 @dataclass
@@ -60,7 +62,8 @@ class StepInfo:
     planned: str = ""  # name of the tree the scheduler planned (differs when nodes were dropped)
     verified: bool = True  # False: the drafts were committed unverified (lossy plan)
     entropy: float | None = None  # nats at the root, when the scheduler asked for it or the engine traces it
-    shadow: bool | None = None  # a shadow draft (Plan.shadow) ran: would it have been accepted? None: none ran
+    shadows: tuple[bool, ...] = ()  # verdicts of shadow drafts (Plan.shadow) judged in this step, this
+    #                                 step's own or earlier ones of a batch: would each have been accepted?
     rows: int = 1  # requests that shared the verify forward (a batch): seconds are then not this step's own
 
 
