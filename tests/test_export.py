@@ -102,10 +102,83 @@ def test_sglang_layout_has_fc_bias_and_its_architecture(setup):
 def test_other_kinds_and_bad_input_are_refused(setup, tmp_path, capsys):
     bb = setup["bb"]
     save_heads(new_heads("mtp-attn", bb, 2, random=True), tmp_path / "m")
-    with pytest.raises(CadenceError, match="only eagle heads"):
+    with pytest.raises(CadenceError, match="needs eagle heads"):
         export_heads(tmp_path / "m", "vllm-eagle", tmp_path / "o")
     with pytest.raises(CadenceError, match="not a heads directory"):
         export_heads(tmp_path / "nothing", "vllm-eagle", tmp_path / "o")
     rc = main(["export", "--heads", str(tmp_path / "m"), "--format", "vllm-eagle", "--out", str(tmp_path / "o"),
                "--model", ""])
-    assert rc == 2 and "only eagle heads" in capsys.readouterr().err
+    assert rc == 2 and "needs eagle heads" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- medusa (vLLM)
+
+@pytest.fixture(scope="module")
+def medusa(tmp_path_factory):
+    from cadence.heads import load_heads
+
+    root = tmp_path_factory.mktemp("medusa")
+    bb = tiny_backbone("llama")
+    heads = new_heads("medusa", bb, 3, random=True, seed=5)
+    heads.set_draft_vocab(torch.arange(0, 200, 2))  # a draft vocabulary of 100 ids
+    save_heads(heads, root / "heads", dtype=torch.bfloat16)
+    return {"root": root, "bb": bb, "heads": load_heads(root / "heads", bb)}
+
+
+def test_vllm_medusa_layout_reproduces_each_heads_top1(medusa):
+    """vLLM's Medusa forward rebuilt from the exported tensors alone (ResidualBlock
+    x + SiLU(W x + b), the shared LM head cut to token_map, logits scattered back into the
+    full vocabulary with -inf elsewhere) picks each head's cadence draft."""
+    root, bb, heads = medusa["root"], medusa["bb"], medusa["heads"]
+    out = export_heads(root / "heads", "vllm-medusa", root / "vllm", lm_weight=bb.lm_head.weight)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["model_type"] == "medusa" and conf["num_heads"] == 3 and conf["num_hidden_layers"] == 1
+    assert conf["truncated_vocab_size"] == 100 and conf["vocab_size"] == bb.vocab_size
+    assert conf["medusa_fc_bias"] is True and conf["original_lm_head"] is True
+    w = load_file(str(out / "model.safetensors"))
+    H = bb.hidden_size
+    assert set(w) == {f"blocks.{i}.layers.0.{p}" for i in range(3) for p in ("weight", "bias")} | {
+        "lm_heads.0.weight", "token_map"}
+    assert w["lm_heads.0.weight"].shape == (100, H) and w["token_map"].dtype == torch.int64
+    torch.manual_seed(0)
+    hidden = bb.forward(torch.randint(0, 256, (1, 12)), need_logits=False).hidden[0]  # (12, H)
+    with torch.no_grad():
+        for i in range(3):
+            x = hidden + torch.nn.functional.silu(
+                hidden @ w[f"blocks.{i}.layers.0.weight"].float().T + w[f"blocks.{i}.layers.0.bias"].float())
+            cut = x @ w["lm_heads.0.weight"].float().T
+            full = torch.full((hidden.shape[0], bb.vocab_size), float("-inf"))
+            full[:, w["token_map"]] = cut
+            logits, vocab_ids, _ = heads.draft_step(i + 1, heads.init_state(hidden), torch.zeros(12, dtype=torch.long))
+            assert torch.equal(full.argmax(-1), vocab_ids[logits.argmax(-1)])
+
+
+def test_vllm_medusa_round_trip_gives_identical_drafts(medusa):
+    from cadence.export import import_medusa
+
+    root, bb, heads = medusa["root"], medusa["bb"], medusa["heads"]
+    out = export_heads(root / "heads", "vllm-medusa", root / "rt", lm_weight=bb.lm_head.weight)
+    back = import_medusa(out, bb)
+    tree = compile_tree(preset("tree-8", 3), name="t8")
+    outs = [Engine(bb, HeadDrafter(h), lambda s: StaticScheduler(tree)).generate(
+        [5, 9, 11, 3, 7, 9, 11, 3], GenerationConfig(max_new_tokens=32)) for h in (heads, back)]
+    assert outs[0].tokens == outs[1].tokens
+    assert [s.accepted for s in outs[0].stats.step_log] == [s.accepted for s in outs[1].stats.step_log]
+    assert torch.equal(back.draft_vocab, heads.draft_vocab)
+
+
+def test_vllm_medusa_refuses_wrong_kind_missing_or_foreign_lm_head(medusa, tmp_path):
+    from cadence.export import import_medusa
+
+    root, bb = medusa["root"], medusa["bb"]
+    with pytest.raises(CadenceError, match="pass the backbone"):
+        export_heads(root / "heads", "vllm-medusa", tmp_path / "o")
+    with pytest.raises(CadenceError, match="wrong --model"):
+        export_heads(root / "heads", "vllm-medusa", tmp_path / "o", lm_weight=torch.zeros(7, bb.hidden_size))
+    save_heads(new_heads("hydra", bb, 2, random=True), tmp_path / "h")
+    with pytest.raises(CadenceError, match="needs medusa heads"):
+        export_heads(tmp_path / "h", "vllm-medusa", tmp_path / "o", lm_weight=bb.lm_head.weight)
+    out = export_heads(root / "heads", "vllm-medusa", tmp_path / "m", lm_weight=bb.lm_head.weight)
+    other = tiny_backbone("llama", seed=3)
+    with pytest.raises(CadenceError, match="another backbone"):
+        import_medusa(out, other)

@@ -1,8 +1,10 @@
-"""``cadence export``: trained eagle heads as a draft-model directory for vLLM / SGLang.
+"""``cadence export``: trained heads as a draft-model directory for vLLM / SGLang.
 
-Knows: the EAGLE-1 layout the two servers load, checked by reading their loaders
-(vLLM ``vllm/model_executor/models/llama_eagle.py`` at commit 00da923 of vllm-project/vllm,
-and SGLang ``python/sglang/srt/models/llama_eagle.py`` at 034b3be of sgl-project/sglang):
+Knows two layouts, each checked by reading the servers' loaders.
+
+EAGLE-1 (``vllm-eagle``, ``sglang-eagle``; vLLM ``vllm/model_executor/models/llama_eagle.py``
+at commit 00da923 of vllm-project/vllm, SGLang ``python/sglang/srt/models/llama_eagle.py``
+at 034b3be of sgl-project/sglang):
 
 * ``config.json``: the backbone's Llama config with ``num_hidden_layers = 1`` and
   ``architectures = ["EagleLlamaForCausalLM"]`` (vLLM) or ``["LlamaForCausalLMEagle"]``
@@ -13,15 +15,27 @@ and SGLang ``python/sglang/srt/models/llama_eagle.py`` at 034b3be of sgl-project
   with transformers' ``LlamaDecoderLayer`` names and no ``input_layernorm`` (both servers
   drop it in layer 0). No ``embed_tokens`` / ``lm_head``: both share the target model's
   (vLLM skips ``embed_tokens`` from the draft checkpoint when pipeline parallelism is off).
+  The draft vocabulary (a cadence-only speed-up) is not exported: servers draft over the
+  full vocabulary with the shared LM head, which the heads were trained through.
 
-The draft vocabulary (a cadence-only speed-up) is not exported: servers draft over the full
-vocabulary with the shared LM head, which the heads were trained through.
+Medusa (``vllm-medusa``; vLLM ``vllm/model_executor/models/medusa.py`` and
+``vllm/transformers_utils/configs/medusa.py`` at commit 09cddad of vllm-project/vllm):
+
+* ``config.json``: ``model_type: medusa``, ``num_heads``, ``num_hidden_layers`` (1: one
+  residual block per head), ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``,
+  ``medusa_fc_bias: true`` (cadence's blocks have a bias) and ``original_lm_head: true`` (one
+  LM head shared by every head, as cadence shares the backbone's);
+* ``model.safetensors``: ``blocks.{i}.layers.0.weight`` / ``.bias`` (head i's block,
+  x + SiLU(W x + b) in both) and ``lm_heads.0.weight``: the backbone's LM head, cut to the
+  draft vocabulary when the heads have one, with that vocabulary as ``token_map`` (vLLM
+  scatters the cut logits back into the full vocabulary, so the argmax is cadence's).
 
 Does not know: mtp / mtp-attn / hydra export. vLLM's MTP models (``deepseek_mtp``,
 ``mimo_mtp``) belong to those architectures, and there is no vLLM counterpart for MTP
 modules on a Llama backbone or for Hydra heads, so they are refused rather than written
 half-compatible. Not checked here: loading in a running vLLM / SGLang (neither is installed
-on this machine); the test reloads the weights into a transformers ``LlamaDecoderLayer``.
+on this machine); the tests rebuild each layout's forward from the exported tensors and
+re-import the directory into cadence (identical drafts).
 """
 
 from __future__ import annotations
@@ -36,7 +50,9 @@ from safetensors.torch import load_file, save_file
 from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 
-FORMATS = {"vllm-eagle": "EagleLlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle"}
+FORMATS = {"vllm-eagle": "EagleLlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle",
+           "vllm-medusa": "MedusaModel"}
+KIND_OF = {"vllm-eagle": "eagle", "sglang-eagle": "eagle", "vllm-medusa": "medusa"}
 WEIGHTS = "model.safetensors"
 
 
@@ -72,8 +88,37 @@ def eagle_state(heads, fmt: str, dtype: torch.dtype = torch.bfloat16) -> dict[st
     return {k: v.detach().to(dtype).cpu().contiguous() for k, v in out.items()}
 
 
-def export_heads(heads_dir: str | Path, fmt: str, out: str | Path, backbone_config: dict | None = None) -> Path:
-    """Write ``out/config.json`` and ``out/model.safetensors`` for ``fmt`` from a heads directory."""
+def medusa_state(heads, lm_weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The server-side tensors of ``heads`` (MedusaHeads); lm_weight (V, H): the backbone's
+    LM head. Example: K = 3, a draft vocabulary of 8192 ids -> blocks.{0,1,2}.layers.0.weight
+    (H, H) and .bias (H,), lm_heads.0.weight (8192, H), token_map (8192,) int64."""
+    out = {}
+    for i, block in enumerate(heads.blocks):
+        out[f"blocks.{i}.layers.0.weight"] = block.linear.weight
+        out[f"blocks.{i}.layers.0.bias"] = block.linear.bias
+    vocab = heads.draft_vocab
+    out["lm_heads.0.weight"] = lm_weight if vocab is None else lm_weight.index_select(0, vocab.to(lm_weight.device))
+    out = {k: v.detach().to(dtype).cpu().contiguous() for k, v in out.items()}
+    if vocab is not None:
+        out["token_map"] = vocab.detach().long().cpu().contiguous()
+    return out
+
+
+def _medusa_config(heads) -> dict:
+    c = heads.cfg
+    vocab = heads.draft_vocab
+    return {"model_type": "medusa", "architectures": [FORMATS["vllm-medusa"]], "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": 1,
+            "truncated_vocab_size": c.vocab_size if vocab is None else int(vocab.numel()),
+            "medusa_fc_bias": True, "original_lm_head": True, "torch_dtype": "bfloat16",
+            "cadence": {"kind": c.kind, "backbone": c.backbone, "num_heads": c.num_heads,
+                        "note": "Medusa heads exported by cadence; lm_heads.0 is the target's LM head"}}
+
+
+def export_heads(heads_dir: str | Path, fmt: str, out: str | Path, backbone_config: dict | None = None,
+                 lm_weight: torch.Tensor | None = None) -> Path:
+    """Write ``out/config.json`` and ``out/model.safetensors`` for ``fmt`` from a heads
+    directory. lm_weight (V, H): the backbone's LM head (``vllm-medusa`` ships it)."""
     from cadence.heads.io import head_class
     from cadence.heads.base import HeadConfig
 
@@ -88,25 +133,61 @@ def export_heads(heads_dir: str | Path, fmt: str, out: str | Path, backbone_conf
         cfg = HeadConfig(**{k: raw[k] for k in HeadConfig.__dataclass_fields__ if k in raw})
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
         raise CadenceError(f"{cfg_path} is malformed: {exc}") from exc
-    if cfg.kind != "eagle":
-        raise CadenceError(f"{heads_dir} holds {cfg.kind} heads; only eagle heads have a vLLM / SGLang "
-                           "draft-model layout (llama_eagle). mtp / mtp-attn / hydra / medusa heads of "
-                           "cadence have no loader there that matches them")
+    if cfg.kind != KIND_OF[fmt]:
+        raise CadenceError(f"{heads_dir} holds {cfg.kind} heads; --format {fmt} needs {KIND_OF[fmt]} heads. "
+                           "Exportable: eagle (vllm-eagle, sglang-eagle) and medusa (vllm-medusa); mtp / "
+                           "mtp-attn / hydra heads of cadence have no vLLM / SGLang loader that matches them")
+    if fmt == "vllm-medusa" and lm_weight is None:
+        raise CadenceError("--format vllm-medusa writes the backbone's LM head: pass the backbone (--model)")
+    if lm_weight is not None and tuple(lm_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise CadenceError(f"the backbone's LM head is {tuple(lm_weight.shape)}, but the heads were trained for "
+                           f"({cfg.vocab_size}, {cfg.hidden_size}): wrong --model for these heads")
     heads = head_class(cfg.kind)(cfg)
     try:
         state = load_file(str(heads_dir / "heads.safetensors"))
-        state.pop("draft_vocab", None)
+        vocab = state.pop("draft_vocab", None)
         missing, unexpected = heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        heads.draft_vocab = None if vocab is None else vocab.long()
     except Exception as exc:
         raise CadenceError(f"{heads_dir / 'heads.safetensors'} is corrupt or does not match its config: {exc}") from exc
     if missing or [k for k in unexpected if k != "draft_vocab"]:
         raise CadenceError(f"{heads_dir / 'heads.safetensors'} does not match its config "
                            f"(missing {missing}, unexpected {unexpected})")
     out.mkdir(parents=True, exist_ok=True)
-    tensors = eagle_state(heads, fmt)
+    if fmt == "vllm-medusa":
+        tensors, conf = medusa_state(heads, lm_weight), _medusa_config(heads)
+    else:
+        tensors, conf = eagle_state(heads, fmt), _llama_config(heads, backbone_config, fmt)
     atomic_write(out / WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-    atomic_write_json(out / "config.json", _llama_config(heads, backbone_config, fmt))
+    atomic_write_json(out / "config.json", conf)
     return out
+
+
+def import_medusa(directory: str | Path, backbone):
+    """Read an exported ``vllm-medusa`` directory back into cadence MedusaHeads bound to
+    ``backbone``; refuses a directory whose LM head is not this backbone's (up to bf16)."""
+    from cadence.heads.io import new_heads
+
+    directory = Path(directory)
+    try:
+        conf = json.loads((directory / "config.json").read_text())
+        state = load_file(str(directory / WEIGHTS))
+        k = int(conf["num_heads"])
+    except Exception as exc:
+        raise CadenceError(f"{directory} is not an exported medusa directory: {exc}") from exc
+    vocab = state.get("token_map")
+    lm = backbone.lm_head.weight.detach().float().cpu()
+    mine = lm if vocab is None else lm.index_select(0, vocab.long())
+    theirs = state["lm_heads.0.weight"].float()
+    if theirs.shape != mine.shape or not torch.allclose(theirs, mine.to(torch.bfloat16).float(), atol=1e-2):
+        raise CadenceError(f"{directory}'s LM head is not {backbone.name}'s: these heads belong to another backbone")
+    heads = new_heads("medusa", backbone, k)
+    with torch.no_grad():
+        for i, block in enumerate(heads.blocks):
+            block.linear.weight.copy_(state[f"blocks.{i}.layers.0.weight"].float())
+            block.linear.bias.copy_(state[f"blocks.{i}.layers.0.bias"].float())
+    heads.set_draft_vocab(vocab)
+    return heads
 
 
 def import_eagle(directory: str | Path, backbone):
@@ -141,21 +222,33 @@ def _backbone_config(spec: str) -> dict | None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="write eagle heads as a vLLM / SGLang draft-model directory",
+    p = sub.add_parser("export", help="write eagle / medusa heads as a vLLM / SGLang draft-model directory",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--heads", required=True, help="heads directory (trained eagle heads)")
+    p.add_argument("--heads", required=True, help="heads directory (trained eagle or medusa heads)")
     p.add_argument("--format", required=True, choices=sorted(FORMATS), help="target server layout")
     p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
     p.add_argument("--model", default="smollm2",
-                   help="backbone whose config.json seeds the draft config (RoPE, positions, token ids); "
-                        "'' to write only what the heads know")
+                   help="backbone whose config.json seeds the eagle draft config (RoPE, positions, token "
+                        "ids) and whose LM head vllm-medusa ships; '' to write only what the heads know (eagle)")
     p.set_defaults(func=_run)
 
 
+def _lm_weight(spec: str) -> torch.Tensor | None:
+    if not spec:
+        return None
+    from cadence.backbone import load_backbone
+
+    return load_backbone(spec, "float32", backend="transformers").lm_head.weight.detach()
+
+
 def _run(args: argparse.Namespace) -> int:
-    out = export_heads(args.heads, args.format, args.out, _backbone_config(args.model))
+    lm = _lm_weight(args.model) if args.format == "vllm-medusa" else None
+    out = export_heads(args.heads, args.format, args.out, _backbone_config(args.model), lm)
     print(f"wrote {out / 'config.json'} and {out / WEIGHTS}")
-    if args.format == "vllm-eagle":
+    if args.format == "vllm-medusa":
+        print(f"serve: vllm serve TARGET_MODEL --speculative-config "
+              f"'{{\"method\": \"medusa\", \"model\": \"{out}\", \"num_speculative_tokens\": 3}}'")
+    elif args.format == "vllm-eagle":
         print(f"serve: vllm serve TARGET_MODEL --speculative-config "
               f"'{{\"method\": \"eagle\", \"model\": \"{out}\", \"num_speculative_tokens\": 3}}'")
     else:
