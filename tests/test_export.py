@@ -182,3 +182,13 @@ def test_vllm_medusa_refuses_wrong_kind_missing_or_foreign_lm_head(medusa, tmp_p
     other = tiny_backbone("llama", seed=3)
     with pytest.raises(CadenceError, match="another backbone"):
         import_medusa(out, other)
+
+
+def test_format_names_of_the_issue_are_aliases(medusa, tmp_path):
+    """``--format eagle|medusa`` are vLLM's layouts."""
+    root, bb = medusa["root"], medusa["bb"]
+    a = export_heads(root / "heads", "medusa", tmp_path / "a", lm_weight=bb.lm_head.weight)
+    b = export_heads(root / "heads", "vllm-medusa", tmp_path / "b", lm_weight=bb.lm_head.weight)
+    assert (a / "config.json").read_text() == (b / "config.json").read_text()
+    with pytest.raises(CadenceError, match="unknown export format"):
+        export_heads(root / "heads", "onnx", tmp_path / "c")

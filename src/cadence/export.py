@@ -53,6 +53,7 @@ from cadence.errors import CadenceError
 FORMATS = {"vllm-eagle": "EagleLlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle",
            "vllm-medusa": "MedusaModel"}
 KIND_OF = {"vllm-eagle": "eagle", "sglang-eagle": "eagle", "vllm-medusa": "medusa"}
+ALIASES = {"eagle": "vllm-eagle", "medusa": "vllm-medusa"}  # --format eagle|medusa: vLLM's layouts
 WEIGHTS = "model.safetensors"
 
 
@@ -122,8 +123,9 @@ def export_heads(heads_dir: str | Path, fmt: str, out: str | Path, backbone_conf
     from cadence.heads.io import head_class
     from cadence.heads.base import HeadConfig
 
+    fmt = ALIASES.get(fmt, fmt)
     if fmt not in FORMATS:
-        raise CadenceError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise CadenceError(f"unknown export format {fmt!r}; choose one of {', '.join([*FORMATS, *ALIASES])}")
     heads_dir, out = Path(heads_dir), Path(out)
     cfg_path = heads_dir / "config.json"
     if not cfg_path.is_file() or not (heads_dir / "heads.safetensors").is_file():
@@ -225,7 +227,8 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write eagle / medusa heads as a vLLM / SGLang draft-model directory",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", required=True, help="heads directory (trained eagle or medusa heads)")
-    p.add_argument("--format", required=True, choices=sorted(FORMATS), help="target server layout")
+    p.add_argument("--format", required=True, choices=sorted([*FORMATS, *ALIASES]),
+                   help="target server layout (eagle = vllm-eagle, medusa = vllm-medusa)")
     p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
     p.add_argument("--model", default="smollm2",
                    help="backbone whose config.json seeds the eagle draft config (RoPE, positions, token "
@@ -242,6 +245,7 @@ def _lm_weight(spec: str) -> torch.Tensor | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    args.format = ALIASES.get(args.format, args.format)
     lm = _lm_weight(args.model) if args.format == "vllm-medusa" else None
     out = export_heads(args.heads, args.format, args.out, _backbone_config(args.model), lm)
     print(f"wrote {out / 'config.json'} and {out / WEIGHTS}")
