@@ -25,6 +25,15 @@ from cadence.schedulers import StaticScheduler
 from cadence.trees import compile_tree, preset
 
 
+def assert_same_drafts(bb, heads, back):
+    """Both sets of heads commit the same tokens with the same accepted lengths (tree of 8)."""
+    tree = compile_tree(preset("tree-8", 3), name="t8")
+    outs = [Engine(bb, HeadDrafter(h), lambda s: StaticScheduler(tree)).generate(
+        [5, 9, 11, 3, 7, 9, 11, 3], GenerationConfig(max_new_tokens=32)) for h in (heads, back)]
+    assert outs[0].tokens == outs[1].tokens
+    assert [s.accepted for s in outs[0].stats.step_log] == [s.accepted for s in outs[1].stats.step_log]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
@@ -79,11 +88,7 @@ def test_round_trip_gives_identical_drafts(setup):
     root, bb, heads = setup["root"], setup["bb"], setup["heads"]
     out = export_heads(root / "heads", "vllm-eagle", root / "rt")
     back = import_eagle(out, bb)
-    tree = compile_tree(preset("tree-8", 3), name="t8")
-    outs = [Engine(bb, HeadDrafter(h), lambda s: StaticScheduler(tree)).generate(
-        [5, 9, 11, 3, 7, 9, 11, 3], GenerationConfig(max_new_tokens=32)) for h in (heads, back)]
-    assert outs[0].tokens == outs[1].tokens
-    assert [s.accepted for s in outs[0].stats.step_log] == [s.accepted for s in outs[1].stats.step_log]
+    assert_same_drafts(bb, heads, back)
     ids = torch.randint(0, 256, (1, 16))
     hidden = bb.forward(ids, need_logits=False).hidden
     with torch.no_grad():
@@ -159,11 +164,7 @@ def test_vllm_medusa_round_trip_gives_identical_drafts(medusa):
     root, bb, heads = medusa["root"], medusa["bb"], medusa["heads"]
     out = export_heads(root / "heads", "vllm-medusa", root / "rt", lm_weight=bb.lm_head.weight)
     back = import_medusa(out, bb)
-    tree = compile_tree(preset("tree-8", 3), name="t8")
-    outs = [Engine(bb, HeadDrafter(h), lambda s: StaticScheduler(tree)).generate(
-        [5, 9, 11, 3, 7, 9, 11, 3], GenerationConfig(max_new_tokens=32)) for h in (heads, back)]
-    assert outs[0].tokens == outs[1].tokens
-    assert [s.accepted for s in outs[0].stats.step_log] == [s.accepted for s in outs[1].stats.step_log]
+    assert_same_drafts(bb, heads, back)
     assert torch.equal(back.draft_vocab, heads.draft_vocab)
 
 
