@@ -10,6 +10,7 @@ from test_training_support import make_data, tiny_model_dir
 from cadence.errors import CadenceError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ablate_report as R
 import ablate_training as A
 
 CELLS = ["sd-1x-ce", "ref-1x-ce+adamtp"]
@@ -90,22 +91,22 @@ def test_rerun_with_other_settings_is_refused(grid):
 def test_table_matches_the_recorded_json(grid, tmp_path):
     doc = tmp_path / "ablations.md"
     doc.write_text("# Ablations\n\nhand-written text stays.\n")
-    A.write_report(grid["cfg"], doc, tmp_path / "plots")
+    R.write_report(grid["cfg"], doc, tmp_path / "plots")
     text = doc.read_text()
     assert text.startswith("# Ablations\n\nhand-written text stays.")
-    rows = A.parse_table(text)
+    rows = R.parse_table(text)
     assert set(rows) == set(CELLS)
     for name in CELLS:
         r = grid["results"][name]
-        row = dict(zip(A.COLUMNS, rows[name]))
+        row = dict(zip(R.COLUMNS, rows[name]))
         assert row["top-1 (h1/h2/h3)"] == " / ".join(f"{x:.3f}" for x in r["heldout"]["top1"])
         assert row["expected tau"] == f"{r['heldout']['tau']:.3f}"
         assert row["measured tau (tree)"] == f"{r['bench']['hydra+static/nocopy']['tau']:.2f}"
         assert row["speedup (chain)"] == f"{r['bench']['hydra:chain+static/nocopy']['speedup']:.2f}x"
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["adamtp_c.png", "budget.png", "curves.png"]
     # regenerating replaces the section instead of appending a second one
-    A.write_report(grid["cfg"], doc, tmp_path / "plots")
-    assert doc.read_text().count(A.BEGIN) == 1
+    R.write_report(grid["cfg"], doc, tmp_path / "plots")
+    assert doc.read_text().count(R.BEGIN) == 1
 
 
 def test_unknown_cell_is_a_clear_error(grid):
