@@ -135,11 +135,13 @@ ATTENTION_KINDS = ("eagle", "mtp-attn")
 
 
 def attention_cells() -> list[Cell]:
-    """Extra cells for the attention-bearing heads (run with --cells NAME ...): data and loss at 1x."""
-    return [Cell(f"{kind}-{data}-1x-{loss}", data, "1x", loss, kind=kind)
-            for kind in ATTENTION_KINDS for data, loss in (("sd", "ce"), ("ref", "ce"), ("sd", "kl"),
-                                                           ("sd", "ce+adamtp"), ("mix", "ce"),
-                                                           ("sd", "kl+adamtp"))]
+    """Extra cells for the attention-bearing heads (run with --cells NAME ...): data and loss at
+    1x, and a second seed of the self-distilled CE cell (that head's noise bar)."""
+    cells = [Cell(f"{kind}-{data}-1x-{loss}", data, "1x", loss, kind=kind)
+             for kind in ATTENTION_KINDS for data, loss in (("sd", "ce"), ("ref", "ce"), ("sd", "kl"),
+                                                            ("sd", "ce+adamtp"), ("mix", "ce"),
+                                                            ("sd", "kl+adamtp"))]
+    return cells + [Cell(f"{kind}-sd-1x-ce-s1", "sd", "1x", "ce", seed=1, kind=kind) for kind in ATTENTION_KINDS]
 
 
 def grid_cells() -> list[Cell]:
