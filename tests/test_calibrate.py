@@ -48,7 +48,8 @@ def test_calibrate_stores_a_tree_that_auto_uses(tmp_path):
     assert all(r["latency_ms"] > 0 for r in rep["trees"])
     assert len(rep["acceptance"]) == 2 and len(rep["copy_acceptance"]) == 4  # copies reach depth 4
     assert all(v == 0 for row in rep["copy_acceptance"][2:] for v in row[1:])  # past K: the copy only
-    conf = json.loads((hdir / "config.json").read_text())
+    conf = json.loads((hdir / "draft_config.json").read_text())  # the policy, apart from the weights
+    assert not {"tree", "acceptance", "copy_tree", "copy_acceptance"} & set(json.loads((hdir / "config.json").read_text()))
     from cadence.engine import Engine, GenerationConfig
     ids = bb.encode_prompt("abc", chat=True)
     cfg = GenerationConfig(max_new_tokens=20)
@@ -70,7 +71,30 @@ def test_calibrate_stores_a_tree_that_auto_uses(tmp_path):
         assert engine.new_scheduler(GenerationConfig().sampling).plan.tree.size == 1
     assert conf["acceptance"] == rep["acceptance"] and conf["copy_acceptance"] == rep["copy_acceptance"]
     assert (hdir / "calibration.json").is_file()
-    assert load_heads(hdir, bb).cfg.copy_tree == conf["copy_tree"]
+    assert load_heads(hdir, bb).policy.copy_tree == conf["copy_tree"]
+
+
+def test_draft_config_rules_over_legacy_fields_and_a_bad_one_is_refused(tmp_path):
+    """Heads saved before the split keep their tables in config.json (still read); a
+    draft_config.json beside them wins; a malformed one is a clear error, not a traceback;
+    saving calibrated heads writes draft_config.json and never the tables into config.json."""
+    from cadence.errors import CadenceError
+
+    bb, _, _ = _setup(tmp_path)
+    hdir = save_heads(new_heads("hydra", bb, 2, random=True), tmp_path / "heads")
+    conf = json.loads((hdir / "config.json").read_text())
+    (hdir / "config.json").write_text(json.dumps({**conf, "acceptance": [[0.5], [0.4]]}))
+    assert load_heads(hdir, bb).policy.acceptance == [[0.5], [0.4]]  # legacy heads
+    (hdir / "draft_config.json").write_text(json.dumps({"acceptance": [[0.7], [0.6]]}))
+    heads = load_heads(hdir, bb)
+    assert heads.policy.acceptance == [[0.7], [0.6]] and heads.policy.calibrated
+    save_heads(heads, tmp_path / "copy")
+    assert json.loads((tmp_path / "copy" / "draft_config.json").read_text())["acceptance"] == [[0.7], [0.6]]
+    assert "acceptance" not in json.loads((tmp_path / "copy" / "config.json").read_text())
+    (hdir / "draft_config.json").write_text("{not json")
+    with pytest.raises(CadenceError, match="draft_config.json is malformed"):
+        load_heads(hdir, bb)
+    assert not load_heads(save_heads(new_heads("hydra", bb, 2), tmp_path / "fresh"), bb).policy.calibrated
 
 
 def test_auto_n_trees_grow_from_the_stored_acceptance(tmp_path):

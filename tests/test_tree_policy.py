@@ -51,8 +51,8 @@ def test_margin_keeps_the_root_for_tiny_gains():
 def test_tree_is_resolved_per_request_sampling(llama):
     """A greedy request gets the copy tree (deeper than K), a sampled one the heads' own."""
     heads = new_heads("hydra", llama, 3, random=True)
-    heads.cfg.acceptance = TABLE
-    heads.cfg.copy_acceptance = TABLE + [[0.8, 0.0, 0.0]] * 3  # past K: the copy only
+    heads.policy.acceptance = TABLE
+    heads.policy.copy_acceptance = TABLE + [[0.8, 0.0, 0.0]] * 3  # past K: the copy only
     drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
     flat = LatencyCurve([1, 64], [0.01, 0.01])
     policy = TreePolicy("auto", heads, drafter, flat)

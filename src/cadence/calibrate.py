@@ -9,15 +9,14 @@
 
 Steps 1-4 run twice: for the heads alone, and for the heads with context copy
 (``context_copy``: the copy ranked first, copies alone past depth K). The chosen trees
-and acceptance tables are written into the heads' config.json (``tree``/``acceptance``,
-``copy_tree``/``copy_acceptance``), so ``--tree auto`` uses them; the whole table goes
-to calibration.json beside it.
+and acceptance tables are written into the heads' draft_config.json (``tree``/``acceptance``,
+``copy_tree``/``copy_acceptance``; ``heads.policy``, apart from the weights' config.json), so
+``--tree auto`` uses them; the whole table goes to calibration.json beside it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from cadence.cliargs import add_fields, from_args
 from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.drafter import HeadDrafter
 from cadence.errors import CadenceError
+from cadence.heads.policy import DraftPolicy, save_policy
 from cadence.sampling import SamplingParams, entropy
 from cadence.scorer import score
 from cadence.trees import compile_tree, expected_tau, grow_tree
@@ -287,11 +287,10 @@ def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
               "chosen": {name: {"budget": len(p), "expected_speedup": v * base, "paths": [list(x) for x in p]}
                          for name, (v, p) in best.items()}}
     heads_dir = Path(cfg.heads)
-    conf = json.loads((heads_dir / "config.json").read_text())
-    conf.update(tree=[list(p) for p in best["heads"][1]], acceptance=acc)
+    policy = DraftPolicy(tree=[list(p) for p in best["heads"][1]], acceptance=acc)
     if "copy" in best:
-        conf.update(copy_tree=[list(p) for p in best["copy"][1]], copy_acceptance=copy_acc)
-    atomic_write_json(heads_dir / "config.json", conf)
+        policy.copy_tree, policy.copy_acceptance = [list(p) for p in best["copy"][1]], copy_acc
+    save_policy(heads_dir, policy)
     atomic_write_json(heads_dir / "calibration.json", report)
     if cfg.profiles:
         report["profiles"] = _profiles(cfg, backbone, heads, copy)

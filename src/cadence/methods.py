@@ -100,7 +100,7 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec))
     policy = TreePolicy(spec.tree, heads, drafter)
     name = resolve_scheduler_name(spec, heads)
-    if (spec.tree == "auto" or name != "static") and (heads.cfg.acceptance or heads.cfg.copy_acceptance):
+    if (spec.tree == "auto" or name != "static") and heads.policy.calibrated:
         policy.latency = latency or load_or_measure(backbone, verbose=True)
         policy.draft_s = draft_seconds(drafter, backbone.hidden_size, backbone.device, backbone.dtype)
     policy.tree_for(SamplingParams())  # resolve now: a bad --tree fails before any request
@@ -115,12 +115,12 @@ def resolve_scheduler_name(spec: MethodSpec, heads) -> str:
     """``auto`` -> ``adaptive`` for ``--tree auto`` on calibrated heads, else ``static``."""
     if spec.scheduler != "auto":
         return spec.scheduler
-    calibrated = heads.cfg.acceptance is not None or heads.cfg.copy_acceptance is not None
+    calibrated = heads.policy.calibrated
     return "adaptive" if spec.tree == "auto" and calibrated and "adaptive" in registry.names() else "static"
 
 
 def _copy_depth(heads, spec: MethodSpec) -> int:
     """Deepest level copies may fill: --copy-depth, or deeper if the table for auto-N /
     the tree calibrated with copies reaches further."""
-    table = heads.cfg.copy_acceptance if spec.copy and spec.tree.startswith("auto") else None
+    table = heads.policy.copy_acceptance if spec.copy and spec.tree.startswith("auto") else None
     return max(spec.copy_depth, len(table) if table else 0)

@@ -108,8 +108,8 @@ class TreePolicy:
 
     def table(self, copying: bool):
         """The heads' calibrated acceptance table with or without context copy (None if uncalibrated)."""
-        cfg = self.heads.cfg
-        return cfg.copy_acceptance if copying else cfg.acceptance
+        policy = self.heads.policy
+        return policy.copy_acceptance if copying else policy.acceptance
 
     def _resolve(self, copying: bool, max_depth: int) -> CompiledTree:
         suffix = "+copy" if copying else ""
@@ -127,6 +127,6 @@ class TreePolicy:
             table = self.table(copying)
             if table is None:
                 raise CadenceError(f"--tree {self.name} needs the acceptance table of `cadence calibrate` "
-                                   f"({'copy_acceptance' if copying else 'acceptance'} in the heads' config.json)")
+                                   f"({'copy_acceptance' if copying else 'acceptance'} in the heads' draft_config.json)")
             return compile_tree(grow_tree(table[:max_depth], int(size)), name=f"{self.name}{suffix}")
         return compile_tree(preset(self.name, max_depth), name=f"{self.name}{suffix}")

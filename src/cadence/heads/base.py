@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from cadence.fast.kernels import Linear, resolve_kind
+from cadence.heads.policy import DraftPolicy
 
 
 @dataclass
@@ -37,10 +38,7 @@ class HeadConfig:
     backbone: str  # backbone name the heads were trained for (checked on load)
     mlp_ratio: float = 2.0  # mtp block MLP width / d_model
     rms_eps: float = 1e-5  # RMSNorm epsilon (mtp)
-    tree: list | None = None  # recommended draft tree (list of rank paths), written by `cadence calibrate`
-    acceptance: list | None = None  # a[k][i]: measured P(head k+1's rank-i candidate is right | path right)
-    copy_tree: list | None = None  # recommended tree when drafting with context copy (greedy), by `cadence calibrate`
-    copy_acceptance: list | None = None  # a[k][i] with the context copy ranked first (rows past K: copy only)
+    # calibration (acceptance tables, trees) lives apart, in draft_config.json: ``heads.policy.DraftPolicy``
     # attention-bearing heads (eagle, mtp-attn): the block's shape, taken from the backbone's config
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
@@ -81,6 +79,7 @@ class DraftHeads(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.cfg = cfg
+        self.policy = DraftPolicy()  # calibration (draft_config.json), set when loaded; none when fresh
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None  # not a submodule: never saved
         self._draft_weight: torch.Tensor | None = None  # (V', d) rows of W_lm for the draft vocabulary
         self._draft_kernel = None  # the same rows for decoding (no grad), in the device's fastest layout

@@ -1,4 +1,5 @@
-"""Create, save and load heads: ``heads.safetensors`` + ``config.json`` in one directory."""
+"""Create, save and load heads: ``heads.safetensors`` + ``config.json`` (+ ``draft_config.json``,
+the calibration: ``cadence.heads.policy``) in one directory."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 from cadence.heads.base import DraftHeads, HeadConfig
+from cadence.heads.policy import load_policy, save_policy
 
 KINDS = ("medusa", "hydra", "mtp", "eagle", "mtp-attn")
 ATTENTION_KINDS = ("eagle", "mtp-attn")  # heads with their own KV cache over the request's context
@@ -67,6 +69,9 @@ def save_heads(heads: DraftHeads, directory: str | Path, dtype: torch.dtype | No
              for k, v in heads.state_dict().items()}
     atomic_write(directory / "heads.safetensors", lambda tmp: save_file(state, str(tmp)))
     atomic_write_json(directory / "config.json", {**heads.cfg.to_dict(), **(extra_config or {})})
+    policy = getattr(heads, "policy", None)
+    if policy is not None and policy.calibrated:
+        save_policy(directory, policy)
     return directory
 
 
@@ -82,6 +87,7 @@ def load_heads(directory: str | Path, backbone, dtype: torch.dtype | None = None
         cfg = HeadConfig(**fields)
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
         raise CadenceError(f"{cfg_path} is malformed: {exc}") from exc
+    policy = load_policy(directory, raw)
     if (cfg.hidden_size, cfg.vocab_size) != (backbone.hidden_size, backbone.vocab_size):
         raise CadenceError(
             f"heads in {directory} were made for {cfg.backbone} (hidden {cfg.hidden_size}, vocab "
@@ -105,4 +111,5 @@ def load_heads(directory: str | Path, backbone, dtype: torch.dtype | None = None
     if dtype is not None:
         heads = heads.to(dtype)
     heads.source_dir = directory  # where calibration files beside the weights live (profiles.json, ...)
+    heads.policy = policy
     return heads.bind(backbone).eval()
