@@ -364,49 +364,95 @@ def run_cell(cfg: AblateConfig, name: str, backbone=None) -> dict:
 def _run_cell(cfg: AblateConfig, cell: Cell, out: Path, backbone) -> dict:
     import torch
 
-    from cadence.bench.runner import BenchConfig, run_bench
-    from cadence.calibrate import CalibrateConfig, calibrate
     from cadence.machine import machine_info
     from cadence.training.trainer import train
 
     name = cell.name
     t0 = time.time()
-    if backbone is None:
-        from cadence.backbone import load_backbone
-        backbone = load_backbone(cfg.model, cfg.dtype, "cpu")
+    backbone = backbone or _backbone(cfg)
     res = train(train_config(cfg, cell, out), backbone=backbone)
     t_train = time.time() - t0
-    heads = out / "heads"
-    rep = calibrate(CalibrateConfig(heads=str(heads), data=str(Path(cfg.pool) / "sets" / cell.dataset),
-                                    tokens=cfg.calib_tokens, budgets=list(cfg.calib_budgets), reps=cfg.calib_reps,
-                                    copy=False, profiles=False, model=cfg.model, dtype=cfg.dtype, device="cpu"),
-                    backbone=backbone)
-    t_calib = time.time() - t0 - t_train
-    methods = ["vanilla"] + [m.replace("hydra", cell.kind or cfg.kind, 1) for m in cfg.methods]
-    bench = run_bench(BenchConfig(tasks=list(cfg.tasks), methods=methods, heads=str(heads), limit=cfg.limit,
-                                  max_new_tokens=cfg.max_new_tokens, out=str(out / "bench"), model=cfg.model,
-                                  dtype=cfg.dtype, device="cpu", custom=cfg.custom or None, plots=False,
-                                  command=f"ablate_training.py cell {name}"),
-                      backbone=backbone, progress=cfg.progress, log=lambda m: None)
-    chosen = rep["chosen"]["heads"]
     record = {"name": name, "cell": asdict(cell), "dataset": cell.dataset,
               "train": {**{k: res.summary.get(k) for k in ("step", "tokens", "train_seconds", "tokens_per_s",
                                                            "train_reply_tokens", "val_reply_tokens", "max_rss_mib")},
                         "threads": torch.get_num_threads()},
               "heldout": res.summary.get("heldout"), "curve": read_curve(out / "train_log.jsonl"),
-              "calibrated": {"tree": chosen["paths"], "nodes": chosen["budget"],
-                             "expected_speedup": chosen["expected_speedup"], "acceptance": rep["acceptance"],
-                             "expected_tau": max((r["expected_tau"] for r in rep["trees"]
-                                                  if r["paths"] == chosen["paths"]), default=1.0)},
-              "bench": _bench_summary(bench, methods, out / "bench" / "records.jsonl"),
-              "seconds": {"train": round(t_train, 1), "calibrate": round(t_calib, 1),
-                          "bench": round(time.time() - t0 - t_train - t_calib, 1),
-                          "total": round(time.time() - t0, 1)},
-              "machine": machine_info()}
+              **_measure(cfg, cell, out, backbone), "machine": machine_info()}
+    record["seconds"] = {"train": round(t_train, 1), **record["seconds"],
+                         "total": round(time.time() - t0, 1)}
     done = load_results(cfg.out)
     done[name] = record
     atomic_write_json(Path(cfg.out) / RESULTS, done)
     return record
+
+
+def _backbone(cfg: AblateConfig):
+    from cadence.backbone import load_backbone
+
+    return load_backbone(cfg.model, cfg.dtype, "cpu")
+
+
+def _measure(cfg: AblateConfig, cell: Cell, out: Path, backbone) -> dict:
+    """Calibrate the cell's trained heads (out/heads) and benchmark them: the record's
+    ``calibrated``, ``bench`` and ``seconds`` (calibrate, bench) fields."""
+    from cadence.bench.runner import BenchConfig, run_bench
+    from cadence.calibrate import CalibrateConfig, calibrate
+
+    t0 = time.time()
+    heads = out / "heads"
+    rep = calibrate(CalibrateConfig(heads=str(heads), data=str(Path(cfg.pool) / "sets" / cell.dataset),
+                                    tokens=cfg.calib_tokens, budgets=list(cfg.calib_budgets), reps=cfg.calib_reps,
+                                    copy=False, profiles=False, model=cfg.model, dtype=cfg.dtype, device="cpu"),
+                    backbone=backbone)
+    t_calib = time.time() - t0
+    methods = ["vanilla"] + [m.replace("hydra", cell.kind or cfg.kind, 1) for m in cfg.methods]
+    bench = run_bench(BenchConfig(tasks=list(cfg.tasks), methods=methods, heads=str(heads), limit=cfg.limit,
+                                  max_new_tokens=cfg.max_new_tokens, out=str(out / "bench"), model=cfg.model,
+                                  dtype=cfg.dtype, device="cpu", custom=cfg.custom or None, plots=False,
+                                  command=f"ablate_training.py cell {cell.name}"),
+                      backbone=backbone, progress=cfg.progress, log=lambda m: None)
+    chosen = rep["chosen"]["heads"]
+    return {"calibrated": {"tree": chosen["paths"], "nodes": chosen["budget"],
+                           "expected_speedup": chosen["expected_speedup"], "acceptance": rep["acceptance"],
+                           "expected_tau": max((r["expected_tau"] for r in rep["trees"]
+                                                if r["paths"] == chosen["paths"]), default=1.0)},
+            "bench": _bench_summary(bench, methods, out / "bench" / "records.jsonl"),
+            "seconds": {"calibrate": round(t_calib, 1), "bench": round(time.time() - t0 - t_calib, 1)}}
+
+
+def remeasure(cfg: AblateConfig, names: list[str], backbone=None) -> dict:
+    """Calibrate and benchmark recorded cells again (their heads and held-out numbers stay):
+    for cells whose timing shared the machine with another job. The old measurement is kept
+    in the record under ``replaced``."""
+    import shutil
+
+    import torch
+
+    from cadence.machine import machine_info
+
+    done = load_results(cfg.out)
+    every = {c.name: c for c in grid_cells() + attention_cells()}
+    missing = [n for n in names if n not in done or n not in every]
+    if missing:
+        raise CadenceError(f"not recorded (run them first): {', '.join(missing)}")
+    backbone = backbone or _backbone(cfg)
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        for name in names:
+            out = Path(cfg.out) / "cells" / name
+            shutil.rmtree(out / "bench", ignore_errors=True)
+            new = _measure(cfg, every[name], out, backbone)
+            done = load_results(cfg.out)
+            old = done[name]
+            old["replaced"] = {k: old.get(k) for k in ("calibrated", "bench", "seconds", "machine")}
+            old.update(calibrated=new["calibrated"], bench=new["bench"], machine=machine_info(),
+                       seconds={**old.get("seconds", {}), **new["seconds"]})
+            atomic_write_json(Path(cfg.out) / RESULTS, done)
+    finally:
+        torch.set_num_threads(threads)
+    return load_results(cfg.out)
 
 
 def load_results(out: str | Path) -> dict:
@@ -497,11 +543,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_ in (("prepare", "write the pool, the data sets and the hidden-state cache"),
                         ("grid", "run every cell not yet in OUT/results.json, each its own process"),
                         ("cell", "run one cell (what grid starts)"),
+                        ("remeasure", "calibrate and benchmark recorded cells again (their heads stay)"),
                         ("report", "write the table and plots from OUT/results.json")):
         p = sub.add_parser(name, help=help_)
         add_fields(p, AblateConfig)
         if name == "cell":
             p.add_argument("name", help="cell name")
+        if name == "remeasure":
+            p.add_argument("names", nargs="+", help="recorded cell names")
         if name == "report":
             p.add_argument("--doc", default="docs/ablations.md", help="markdown file written")
             p.add_argument("--plots", default="docs/ablations", help="directory of the PNG plots")
@@ -516,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
             run_grid(cfg)
         elif args.cmd == "cell":
             run_cell(_grid_config(cfg), args.name)
+        elif args.cmd == "remeasure":
+            remeasure(_grid_config(cfg), args.names)
         else:
             from ablate_report import write_report
 

@@ -114,3 +114,25 @@ def test_unknown_cell_is_a_clear_error(grid):
 
     with pytest.raises(CadenceError, match="unknown cell"):
         A.run_grid(dataclasses.replace(grid["cfg"], cells=["sd-9x-ce"]), log=lambda m: None)
+
+
+def test_remeasure_redoes_calibration_and_bench_and_keeps_the_training(grid, tmp_path):
+    """A cell whose timing shared the machine is measured again: new calibrated / bench
+    fields, the old ones under ``replaced``, training and held-out numbers untouched."""
+    import dataclasses
+    import shutil
+
+    out = tmp_path / "grid"
+    shutil.copytree(grid["cfg"].out, out)
+    cfg = dataclasses.replace(grid["cfg"], out=str(out))
+    before = A.load_results(out)
+    (out / "cells" / "sd-1x-ce" / "bench" / "marker").write_text("old bench")
+    after = A.remeasure(cfg, ["sd-1x-ce"])
+    a, b = before["sd-1x-ce"], after["sd-1x-ce"]
+    assert b["replaced"]["bench"] == a["bench"] and b["replaced"]["calibrated"] == a["calibrated"]
+    assert (b["heldout"], b["train"], b["curve"]) == (a["heldout"], a["train"], a["curve"])
+    assert set(b["bench"]) == set(a["bench"]) and b["seconds"]["train"] == a["seconds"]["train"]
+    assert not (out / "cells" / "sd-1x-ce" / "bench" / "marker").exists()  # a fresh benchmark
+    assert after["ref-1x-ce+adamtp"] == before["ref-1x-ce+adamtp"]
+    with pytest.raises(CadenceError, match="not recorded"):
+        A.remeasure(cfg, ["sd-0.25x-ce"])
