@@ -334,13 +334,13 @@ class Request:
         return replace(plan, tree=truncate(plan.tree, depth)) if plan.tree.max_depth > depth else plan
 
     def _shadow(self, plan: Plan) -> tuple[int | None, torch.Tensor | None]:
-        """(token, deferred) of the shadow draft of a root-alone plan that asks for one (T = 0
-        only: at T > 0 a draft would consume the request's random stream); (None, False) for
-        none. Example: root r, the heads' (or a context copy's) next guess d; the root's
+        """(token, deferred state) of the shadow draft of a root-alone plan that asks for one
+        (T = 0 only: at T > 0 a draft would consume the request's random stream); (None, None)
+        for none. Example: root r, the heads' (or a context copy's) next guess d; the root's
         forward then gives the true next token b, and the scheduler is told d == b. A guess
         the per-position heads must make waits for ``plan.shadow_batch`` of them
-        (``_judge_shadows``): (None, a copy of the root's state: a fast backbone may reuse the
-        buffer it is in)."""
+        (``_judge_shadows``): (None, a (d,) copy of the root's state: a fast backbone may
+        reuse the buffer it is in)."""
         if not plan.shadow or plan.tree.size != 1 or not self.sampling.greedy:
             return None, None
         drafter = self.engine.drafter
