@@ -18,12 +18,16 @@ padded to ``MIN_ROWS`` rows, queries to ``MIN_QUERIES`` (repeats of the last row
 outputs dropped), keys to a multiple of ``KEY_BLOCK`` (entries masked out, read from the
 cache's preallocated, zero-initialised buffer).
 
+Keys are sized from the context alone (``keys_for``: room for a tree of up to ``KEY_ROOM``
+nodes), so a tree whose nodes reach into the next 64-key block attends over the same blocks
+as the one-token forward at the same context.
+
 Measured with the shipped SmolLM2 in bf16, 2 threads (``benchmarks/consistency.py``: root
 logits of a 1-token forward against trees of 2-33 nodes on random contexts of 50-400
-tokens): 82 of 100 differed (up to 0.50) without the padding; 2 of 100 with it, both where the tree's keys reach into the next
-64-key block and the 1-token forward's do not (then attention still differs, by up to
-0.125 in the logits). So bf16 speculation is much closer to bf16 plain decoding, not
-byte-identical: a divergence at a block crossing is a near-tie and must be reported as one.
+tokens): 82 of 100 differed (up to 0.50) without the padding; 2 of 100 with keys rounded
+per forward (both where the tree's keys reached into the next 64-key block and the
+1-token forward's did not: up to 0.125 in the logits); the README states the count with
+keys sized from the context.
 
 Knows: the padding rules and when they are on. Does not know models, caches or trees.
 """
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 MIN_ROWS = 2  # GEMM rows
 MIN_QUERIES = 4  # attention query rows
 KEY_BLOCK = 64  # attention keys are padded to a multiple of this
+KEY_ROOM = 64  # a forward at context ``past`` attends to key_length(past + KEY_ROOM) keys, whatever its n <= KEY_ROOM
 
 
 def wanted(kernel: str, dtype: torch.dtype) -> bool:
@@ -48,6 +53,15 @@ def key_length(length: int, capacity: int) -> int:
     """Keys attended to when ``length`` are real: rounded up to a multiple of KEY_BLOCK, at
     most ``capacity``. Example: 200 -> 256; 256 -> 256; 1000 with capacity 1000 -> 1000."""
     return min(-(-length // KEY_BLOCK) * KEY_BLOCK, capacity)
+
+
+def keys_for(past: int, n: int, capacity: int) -> int:
+    """Keys a forward of ``n`` new tokens after ``past`` cached ones attends to: sized from
+    the context alone (room for any tree of up to KEY_ROOM nodes), so a one-token forward
+    and a tree forward at the same context reduce attention over the same key blocks.
+    Example: past 186 -> 256 keys for 1 node and for 8 (rounding 187 and 194 separately
+    gave 192 and 256, and the root's bf16 logits differed by 0.156 on SmolLM2)."""
+    return key_length(past + max(n, KEY_ROOM), capacity)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:

@@ -266,7 +266,8 @@ class FastBackbone(Backbone):
         keys = past + n  # keys attended to: the real ones, or (consistent) a whole number of blocks
         steady = self.consistent and cache is not None and (past > 0 or tree_mask is not None)
         if steady:
-            keys = consistent.key_length(past + n, cache.capacity)
+            cache.reserve(min(max(n, consistent.KEY_ROOM), cache.max_positions - past))
+            keys = consistent.keys_for(past, n, cache.capacity)
             mask, causal = self._mask(n, past, tree_mask, True, keys), False
         store = None
         if cache is not None:
