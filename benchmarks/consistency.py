@@ -3,9 +3,12 @@
 For random contexts of 50-400 tokens, the root's logits from a one-token verify forward
 are compared with those from trees of 2, 3, 8, 16 and 33 nodes at the same position, on
 the fast backend. Prints how many differ and by how much. ``--off`` disables the
-row-consistent padding (``cadence.fast.consistent``) to show what it fixes.
+row-consistent padding (``cadence.fast.consistent``) to show what it fixes. ``--chain``
+checks every node of a verify forward over a chain of 8 instead: node i's logits against
+a one-token forward at its position after the chain's first i tokens were committed one
+at a time (what plain decoding computes), on contexts that end just before a 64-key block.
 
-Usage:  python benchmarks/consistency.py [--dtype bfloat16] [--contexts 20] [--off]
+Usage:  python benchmarks/consistency.py [--dtype bfloat16] [--contexts 20] [--off] [--chain]
 """
 
 from __future__ import annotations
@@ -27,12 +30,46 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--contexts", type=int, default=20)
     ap.add_argument("--off", action="store_true", help="no row-consistent padding")
+    ap.add_argument("--chain", action="store_true", help="every node of a chain of 8, not only the root")
     args = ap.parse_args()
     if args.off:
         consistent.wanted = lambda kernel, dtype: False
     bb = load_backbone(args.model, args.dtype, backend="fast")
+    bad, total = chain_probe(bb, args.contexts) if args.chain else root_probe(bb, args.contexts)
+    print(f"{machine_line(machine_info())}; {bb.dtype}, padding {'off' if args.off else 'on' if bb.consistent else 'not used'}")
+    what = "chain-node" if args.chain else "root"
+    print(f"{len(bad)} of {total} {what} logits differ; largest {max((d for *_, d in bad), default=0):.4f}")
+    for past, n, diff in bad[:10]:
+        print(f"  context {past}, {'node' if args.chain else 'nodes'} {n}: {diff:.4f}")
+
+
+def chain_probe(bb, contexts: int) -> tuple[list, int]:
+    """(differences, probes): contexts of 58-63 + 64 j tokens, a chain of 8 random tokens."""
+    root = compile_tree([], name="root")
+    chain8 = compile_tree([(0,) * d for d in range(1, 8)], name="chain-7")
     bad, total = [], 0
-    for seed in range(args.contexts):
+    for seed in range(contexts):
+        g = torch.Generator().manual_seed(seed)
+        past = 64 * (1 + seed % 6) - int(torch.randint(1, 7, (1,), generator=g))
+        prompt = torch.randint(0, bb.vocab_size, (1, past), generator=g)
+        toks = torch.randint(0, bb.vocab_size, (8,), generator=g)
+        cache = bb.new_cache()
+        bb.forward(prompt, cache, need_logits=False)
+        multi = score(bb, cache, past, chain8, toks).logits[0]  # (8, V)
+        cache = bb.new_cache()
+        bb.forward(prompt, cache, need_logits=False)
+        for i in range(8):
+            one = score(bb, cache, past + i, root, toks[i:i + 1]).logits[0, 0]
+            total += 1
+            diff = float((multi[i] - one).abs().max())
+            if diff > 0:
+                bad.append((past, i, diff))
+    return bad, total
+
+
+def root_probe(bb, contexts: int) -> tuple[list, int]:
+    bad, total = [], 0
+    for seed in range(contexts):
         g = torch.Generator().manual_seed(seed)
         past = int(torch.randint(50, 400, (1,), generator=g))
         cache = bb.new_cache()
@@ -49,10 +86,7 @@ def main() -> None:
             diff = float((logits - one).abs().max())
             if diff > 0:
                 bad.append((past, n, diff))
-    print(f"{machine_line(machine_info())}; {bb.dtype}, padding {'off' if args.off else 'on' if bb.consistent else 'not used'}")
-    print(f"{len(bad)} of {total} root logits differ; largest {max((d for *_, d in bad), default=0):.4f}")
-    for past, n, diff in bad[:10]:
-        print(f"  context {past}, {n} nodes: {diff:.4f}")
+    return bad, total
 
 
 if __name__ == "__main__":
