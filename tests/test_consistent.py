@@ -68,38 +68,6 @@ def test_bf16_tree_and_one_token_forwards_agree_on_the_root():
             cache.compact(past, [])
 
 
-@needs_onednn
-def test_bf16_root_logits_agree_when_the_tree_crosses_into_the_next_key_block():
-    """A root at context 60 sees 61 keys alone and 61 + N - 1 in a tree: with keys rounded
-    per forward, N = 8 crosses from one 64-key block into two and attention is reduced
-    another way. Keys are sized from the context alone (with room for any tree of up to 64
-    nodes), so both forwards attend over the same blocks."""
-    from cadence.fast.model import FastBackbone
-    from cadence.scorer import score
-    from cadence.trees import compile_tree, grow_tree, prior_acceptance
-    from tiny import tiny_backbone
-
-    plain = tiny_backbone("llama", hidden=768, layers=4)
-    plain.model.to(torch.bfloat16)
-    bb = FastBackbone.from_backbone(plain)
-    if not bb.consistent:
-        pytest.skip("row-consistent padding is off for this kernel / dtype")
-    gen = torch.Generator().manual_seed(1)
-    differ = 0
-    for past in (58, 60, 62, 120, 124, 186, 250):  # trees of 8-33 nodes cross a 64-key boundary
-        cache = bb.new_cache()
-        bb.forward(torch.randint(0, bb.vocab_size, (1, past), generator=gen), cache, need_logits=False)
-        root = torch.randint(0, bb.vocab_size, (1,), generator=gen)
-        one = score(bb, cache, past, compile_tree([], name="r"), root).logits[0, 0]
-        cache.compact(past, [])
-        for n in (8, 16, 33):
-            tree = compile_tree(grow_tree(prior_acceptance(8, ranks=n), n - 1), name="t")
-            toks = torch.cat([root, torch.randint(0, bb.vocab_size, (tree.size - 1,), generator=gen)])
-            differ += not torch.equal(score(bb, cache, past, tree, toks).logits[0, 0], one)
-            cache.compact(past, [])
-    assert differ == 0
-
-
 def test_keys_are_sized_from_the_context_not_the_tree():
     """A one-token forward and any tree of up to KEY_ROOM nodes at the same context attend
     over the same key count (rounding past + n per forward gave 192 keys for one node
