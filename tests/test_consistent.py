@@ -68,12 +68,28 @@ def test_bf16_tree_and_one_token_forwards_agree_on_the_root():
             cache.compact(past, [])
 
 
-def test_keys_are_sized_from_the_context_not_the_tree():
-    """A one-token forward and any tree of up to KEY_ROOM nodes at the same context attend
-    over the same key count (rounding past + n per forward gave 192 keys for one node
-    after 186 and 256 for eight: the root's bf16 logits differed by 0.156 on SmolLM2)."""
-    for past in (10, 62, 63, 186, 191, 250, 1000):
-        sizes = {consistent.keys_for(past, n, 4096) for n in (1, 2, 8, 33, consistent.KEY_ROOM)}
-        assert len(sizes) == 1 and sizes.pop() >= past + consistent.KEY_ROOM
-    assert consistent.keys_for(186, 1, 4096) == 256
-    assert consistent.keys_for(1000, 8, 1010) == 1010  # never past the capacity
+def test_keys_are_sized_from_each_rows_position_not_its_forward():
+    """A query attends over a key count set by its own position (room for a tree of up to
+    KEY_ROOM nodes before it), so a tree node gets the count its one-token forward gets.
+    Rounding past + n per forward gave 192 keys to a root at 186 alone and 256 in a tree of
+    8: the root's bf16 logits differed by 0.156 on SmolLM2."""
+    assert consistent.keys_for(186, 4096) == 256
+    assert consistent.keys_for(191, 4096) == 256 and consistent.keys_for(192, 4096) == 320
+    for p in (10, 62, 63, 186, 191, 1000):
+        assert consistent.keys_for(p, 4096) >= p + 1 + consistent.KEY_ROOM
+    assert consistent.keys_for(1000, 1010) == 1010  # never past the limit
+    assert consistent.row_groups([190, 191, 191, 192], 4096) == [([0, 1, 2], 256), ([3], 320)]
+    assert consistent.row_groups([186] * 3, 4096) == [([0, 1, 2], 256)]
+
+
+def test_grouped_attention_equals_each_group_alone():
+    torch.manual_seed(0)
+    q = torch.randn(1, 6, 5, 16)
+    k, v = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 128, 16)
+    mask = torch.rand(5, 128) > 0.3
+    mask[:, 0] = True
+    groups = [([0, 2], 64), ([1, 3, 4], 128)]
+    out = consistent.attend_groups(q, k, v, mask, True, groups)
+    for rows, keys in groups:
+        alone = consistent.attend(q[:, :, rows], k[:, :, :keys], v[:, :, :keys], mask[rows, :keys], True)
+        assert torch.equal(out[:, :, rows], alone)

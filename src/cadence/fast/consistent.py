@@ -55,13 +55,38 @@ def key_length(length: int, capacity: int) -> int:
     return min(-(-length // KEY_BLOCK) * KEY_BLOCK, capacity)
 
 
-def keys_for(past: int, n: int, capacity: int) -> int:
-    """Keys a forward of ``n`` new tokens after ``past`` cached ones attends to: sized from
-    the context alone (room for any tree of up to KEY_ROOM nodes), so a one-token forward
-    and a tree forward at the same context reduce attention over the same key blocks.
-    Example: past 186 -> 256 keys for 1 node and for 8 (rounding 187 and 194 separately
-    gave 192 and 256, and the root's bf16 logits differed by 0.156 on SmolLM2)."""
-    return key_length(past + max(n, KEY_ROOM), capacity)
+def keys_for(position: int, limit: int) -> int:
+    """Keys a query at ``position`` attends to, whatever else is in its forward: sized from
+    its position alone (room for the KEY_ROOM cache slots a tree of up to KEY_ROOM nodes may
+    put before it), at most ``limit``. A one-token forward and a tree forward then reduce
+    attention over the same key blocks for every node at the same position. Example:
+    position 186 -> 256 keys alone and as the root of 8 nodes (rounding 187 and 194
+    separately gave 192 and 256: the root's bf16 logits differed by 0.156 on SmolLM2); its
+    child at 187 -> 256, a node at 192 -> 320."""
+    return key_length(position + 1 + KEY_ROOM, limit)
+
+
+def row_groups(positions: list[int], limit: int) -> list[tuple[list[int], int]]:
+    """Rows of a forward grouped by their key count (``keys_for``), each group attended in
+    one call. Example: positions [190, 191, 191, 192] -> [([0, 1, 2], 256), ([3], 320)]."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(positions):
+        groups.setdefault(keys_for(p, limit), []).append(i)
+    return [(rows, keys) for keys, rows in sorted(groups.items())]
+
+
+def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool,
+                  groups: list[tuple[list[int], int]]) -> torch.Tensor:
+    """``attend`` per row group (``row_groups``): rows ``rows`` over the first ``keys`` keys.
+    q: (b, H, n, d); k, v: (b, KV, L, d) with L >= every group's keys; mask: (n, L)."""
+    if len(groups) == 1:
+        keys = groups[0][1]
+        return attend(q, k[:, :, :keys], v[:, :, :keys], mask[:, :keys], gqa)
+    out = q.new_empty(q.shape)
+    for rows, keys in groups:
+        idx = torch.tensor(rows, device=q.device)
+        out[:, :, idx] = attend(q[:, :, idx], k[:, :, :keys], v[:, :, :keys], mask[idx, :keys], gqa)
+    return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:

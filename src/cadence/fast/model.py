@@ -263,11 +263,14 @@ class FastBackbone(Backbone):
         causal = mask is None and tree_mask is None and n > 1  # plain causal over new tokens only
         if pad is not None and not bool(pad.all()):
             mask, causal = self._padded_mask(pad), False
-        keys = past + n  # keys attended to: the real ones, or (consistent) a whole number of blocks
+        keys = past + n  # keys attended to: the real ones, or (consistent) whole blocks per row group
         steady = self.consistent and cache is not None and (past > 0 or tree_mask is not None)
+        groups = None
         if steady:
-            cache.reserve(min(max(n, consistent.KEY_ROOM), cache.max_positions - past))
-            keys = consistent.keys_for(past, n, cache.capacity)
+            rows = position_ids.amax(dim=0).tolist()  # (n,): one sequence, or the batch's furthest
+            groups = consistent.row_groups(rows, cache.max_positions)
+            keys = max(keys, groups[-1][1])
+            cache.reserve(keys - past)
             mask, causal = self._mask(n, past, tree_mask, True, keys), False
         store = None
         if cache is not None:
@@ -275,14 +278,15 @@ class FastBackbone(Backbone):
                 cache.k[i, :, :, past:past + n] = k
                 cache.v[i, :, :, past:past + n] = v
                 return cache.k[i, :, :, :keys], cache.v[i, :, :, :keys]
-        x = self._layers_forward(input_ids, cos, sin, mask, causal, store, pad_queries=steady)
+        x = self._layers_forward(input_ids, cos, sin, mask, causal, store, groups=groups)
         if cache is not None:
             cache.advance(n)
         return x
 
-    def _layers_forward(self, input_ids, cos, sin, mask, causal: bool, store, pad_queries: bool = False) -> torch.Tensor:
-        """Embedding, decoder layers and final norm -> (b, n, d). ``pad_queries``: attention
-        through ``consistent.attend`` (at least 4 query rows). ``store(layer, k, v)``
+    def _layers_forward(self, input_ids, cos, sin, mask, causal: bool, store, groups=None) -> torch.Tensor:
+        """Embedding, decoder layers and final norm -> (b, n, d). ``groups``: attention through
+        ``consistent.attend_groups`` (rows grouped by key count, at least 4 query rows per
+        call; ``consistent.row_groups``), None for one plain call. ``store(layer, k, v)``
         (k, v of shape (b, kv_heads, n, head_dim)) writes the new keys/values to a cache and
         returns the keys/values to attend to; None: attend to the new tokens only."""
         s = self.spec
@@ -304,8 +308,8 @@ class FastBackbone(Backbone):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if store is not None:
                 k, v = store(i, k, v)
-            if pad_queries:
-                att = consistent.attend(q, k, v, mask, gqa)
+            if groups is not None:
+                att = consistent.attend_groups(q, k, v, mask, gqa, groups)
             else:
                 att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
             x = x + layer.o(att.transpose(1, 2).reshape(b, n, H * hd))
