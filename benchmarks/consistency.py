@@ -47,6 +47,21 @@ def main() -> None:
         print(f"  context {past}, {'nodes' if probe is root_probe else 'node'} {n}: {diff:.4f}")
 
 
+def _compare(bad: list, past: int, label: int, a: torch.Tensor, b: torch.Tensor) -> int:
+    """Record (past, label, max |a - b|) in ``bad`` when the logits differ; 1 probe."""
+    diff = float((a - b).abs().max())
+    if diff > 0:
+        bad.append((past, label, diff))
+    return 1
+
+
+def _prefilled(bb, prompt: torch.Tensor):
+    """A fresh cache holding ``prompt`` (1, P)."""
+    cache = bb.new_cache()
+    bb.forward(prompt, cache, need_logits=False)
+    return cache
+
+
 def chain_probe(bb, contexts: int) -> tuple[list, int]:
     """(differences, probes): contexts of 58-63 + 64 j tokens, a chain of 8 random tokens."""
     root = compile_tree([], name="root")
@@ -57,17 +72,12 @@ def chain_probe(bb, contexts: int) -> tuple[list, int]:
         past = 64 * (1 + seed % 6) - int(torch.randint(1, 7, (1,), generator=g))
         prompt = torch.randint(0, bb.vocab_size, (1, past), generator=g)
         toks = torch.randint(0, bb.vocab_size, (8,), generator=g)
-        cache = bb.new_cache()
-        bb.forward(prompt, cache, need_logits=False)
+        cache = _prefilled(bb, prompt)
         multi = score(bb, cache, past, chain8, toks).logits[0]  # (8, V)
-        cache = bb.new_cache()
-        bb.forward(prompt, cache, need_logits=False)
+        cache = _prefilled(bb, prompt)
         for i in range(8):
             one = score(bb, cache, past + i, root, toks[i:i + 1]).logits[0, 0]
-            total += 1
-            diff = float((multi[i] - one).abs().max())
-            if diff > 0:
-                bad.append((past, i, diff))
+            total += _compare(bad, past, i, multi[i], one)
     return bad, total
 
 
@@ -82,8 +92,7 @@ def tree_probe(bb, contexts: int) -> tuple[list, int]:
         past = int(torch.randint(50, 400, (1,), generator=g))
         prompt = torch.randint(0, bb.vocab_size, (1, past), generator=g)
         toks = torch.randint(0, bb.vocab_size, (tree.size,), generator=g)
-        cache = bb.new_cache()
-        bb.forward(prompt, cache, need_logits=False)
+        cache = _prefilled(bb, prompt)
         multi = score(bb, cache, past, tree, toks).logits[0]  # (9, V)
         for node in range(1, tree.size):
             path = [node]
@@ -92,14 +101,10 @@ def tree_probe(bb, contexts: int) -> tuple[list, int]:
             path = [0] + path[::-1]
             if path == list(range(len(path))):
                 continue  # ancestors in the first slots, as in plain decoding (the chain probe's case)
-            cache = bb.new_cache()
-            bb.forward(prompt, cache, need_logits=False)
+            cache = _prefilled(bb, prompt)
             for i, n in enumerate(path):
                 one = score(bb, cache, past + i, root, toks[n:n + 1]).logits[0, 0]
-            total += 1
-            diff = float((multi[node] - one).abs().max())
-            if diff > 0:
-                bad.append((past, node, diff))
+            total += _compare(bad, past, node, multi[node], one)
     return bad, total
 
 
@@ -118,10 +123,7 @@ def root_probe(bb, contexts: int) -> tuple[list, int]:
             tokens = torch.cat([root, torch.randint(0, bb.vocab_size, (tree.size - 1,), generator=g)])
             logits = score(bb, cache, past, tree, tokens).logits[0, 0]
             cache.compact(past, [])
-            total += 1
-            diff = float((logits - one).abs().max())
-            if diff > 0:
-                bad.append((past, n, diff))
+            total += _compare(bad, past, n, logits, one)
     return bad, total
 
 
