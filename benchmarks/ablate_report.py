@@ -93,6 +93,20 @@ def noise_note(results: dict) -> str:
     return "\n".join(f"- {x}" for x in out)
 
 
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path, **legend) -> Path:
+    """Label, legend and grid one plot, save it to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(**legend)
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def draw_plots(results: dict, directory: str | Path) -> list[Path]:
     """curves.png (held-out expected tau vs tokens seen, one line per 1x cell), budget.png
     (final tau vs distinct training tokens, per data source) and adamtp_c.png (tau vs c)."""
@@ -110,14 +124,8 @@ def draw_plots(results: dict, directory: str | Path) -> list[Path]:
         pts = [(c["tokens"], c["tau"]) for c in r["curve"] if c["tokens"] is not None]
         style = {"sd": "-", "ref": "--", "mix": ":"}.get(r["cell"]["data"], "-")
         ax.plot([x / 1e3 for x, _ in pts], [y for _, y in pts], style, marker=".", label=n)
-    ax.set_xlabel("training tokens seen (thousands)")
-    ax.set_ylabel("held-out expected tau (top-1 chain)")
-    ax.set_title("Acceptance vs tokens seen (1x data)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    paths.append(d / "curves.png")
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_finish(fig, ax, "training tokens seen (thousands)", "held-out expected tau (top-1 chain)",
+                         "Acceptance vs tokens seen (1x data)", d / "curves.png", fontsize=7, ncol=2))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for src in ("sd", "ref"):
@@ -127,14 +135,8 @@ def draw_plots(results: dict, directory: str | Path) -> list[Path]:
         if pts:
             ax.plot([x / 1e3 for x, _ in pts], [y for _, y in pts], marker="o",
                     label={"sd": "self-distilled", "ref": "reference"}[src])
-    ax.set_xlabel("distinct training reply tokens (thousands), same steps")
-    ax.set_ylabel("held-out expected tau")
-    ax.set_title("Data budget (CE, fixed compute)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    paths.append(d / "budget.png")
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_finish(fig, ax, "distinct training reply tokens (thousands), same steps", "held-out expected tau",
+                         "Data budget (CE, fixed compute)", d / "budget.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     pts = sorted((r["cell"]["adamtp_c"], r["heldout"]["tau"]) for r in results.values()
@@ -146,14 +148,8 @@ def draw_plots(results: dict, directory: str | Path) -> list[Path]:
             and r["cell"]["budget"] == "1x" and r["cell"]["loss"] == "ce" and not r["cell"].get("kind")]
     for i, b in enumerate(base):
         ax.axhline(b, color="gray", linestyle="--", label="CE, no masking" if i == 0 else None)
-    ax.set_xlabel("AdaMTP c (boundary: H > mean + c * std)")
-    ax.set_ylabel("held-out expected tau")
-    ax.set_title("AdaMTP c sweep (self-distilled, 1x)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    paths.append(d / "adamtp_c.png")
-    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    paths.append(_finish(fig, ax, "AdaMTP c (boundary: H > mean + c * std)", "held-out expected tau",
+                         "AdaMTP c sweep (self-distilled, 1x)", d / "adamtp_c.png"))
     return paths
 
 
