@@ -106,3 +106,23 @@ def test_entmtp_smoothing_ignores_a_single_spike():
     for _ in range(12):
         b = s.update(3.0)
     assert b == 2
+
+
+def test_a_chains_only_backbone_gets_chains_from_every_tree_choice(llama):
+    """Row-consistent bf16 attends once per root-to-leaf path: there the policy grows chains,
+    the adaptive frontier holds chains only, and the latency probe measures chains."""
+    from cadence.latency import _probe_tree
+    from cadence.schedulers.adaptive import frontier
+
+    heads = new_heads("hydra", llama, 3, random=True)
+    heads.policy.acceptance = TABLE
+    drafter = HeadDrafter(heads, None)
+    flat = LatencyCurve([1, 64], [0.01, 0.01])
+    bushy = TreePolicy("auto", heads, drafter, flat)
+    assert not bushy.tree_for(SamplingParams()).is_chain  # free verification: a bushy tree
+    policy = TreePolicy("auto", heads, drafter, flat, chains_only=True)
+    assert policy.shape([[0.6, 0.1], [0.5, 0.1]]) == [[0.6], [0.5]]
+    assert policy.tree_for(SamplingParams()).is_chain and policy.tree_for(SamplingParams()).max_depth == 3
+    for cand in frontier(policy.table(False), flat, 0.0, 3, 3):
+        assert cand.tree.is_chain
+    assert _probe_tree(8, chains_only=True).is_chain and not _probe_tree(8).is_chain

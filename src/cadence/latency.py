@@ -29,7 +29,7 @@ from cadence.atomic import atomic_write_json
 from cadence.fast.cpu import cpu_flags
 from cadence.machine import cpu_model
 from cadence.scorer import score
-from cadence.trees import compile_tree, grow_tree, prior_acceptance
+from cadence.trees import chain, compile_tree, grow_tree, prior_acceptance
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # tree nodes, root included
 FORMAT = 3  # 3: context 128, lower quartile of 9 rounds (1: context 256, median of 5)
@@ -71,12 +71,17 @@ def machine_key(backbone) -> str:
     parts = [where, str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, str(dev),
              str(backbone.dtype), type(backbone).__name__, backbone.name,
              str(backbone.hidden_size), str(backbone.vocab_size), str(backbone.config.num_hidden_layers)]
+    if getattr(backbone, "chains_only", False):
+        parts.append("chains")  # its curve is measured on chains
     digest = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
     return f"{backbone.name}-{str(backbone.dtype).replace('torch.', '')}-{digest}"
 
 
-def _probe_tree(n: int):
-    """A representative tree of n nodes (a bushy one, as greedy growth makes them)."""
+def _probe_tree(n: int, chains_only: bool = False):
+    """A representative tree of n nodes: a bushy one, as greedy growth makes them, or a
+    chain for a backbone that verifies chains only cheaply (``Backbone.chains_only``)."""
+    if chains_only:
+        return compile_tree(chain(n - 1), name=f"probe-chain-{n}")
     return compile_tree(grow_tree(prior_acceptance(8, ranks=n), n - 1), name=f"probe-{n}")
 
 
@@ -93,7 +98,7 @@ def measure(backbone, sizes=SIZES, context: int = 128, rounds: int = 9) -> Laten
     ctx = torch.randint(0, backbone.vocab_size, (1, context), generator=gen).to(dev)
     cache = backbone.new_cache()
     backbone.forward(ctx, cache, need_logits=False)
-    trees = [_probe_tree(n) for n in sizes]
+    trees = [_probe_tree(n, getattr(backbone, "chains_only", False)) for n in sizes]
     samples: list[list[float]] = [[] for _ in sizes]
     for r in range(rounds + 1):
         for i, tree in enumerate(trees):

@@ -98,7 +98,7 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
         return Engine(backbone)
     heads = resolve_heads(backbone, spec)
     drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec))
-    policy = TreePolicy(spec.tree, heads, drafter)
+    policy = TreePolicy(spec.tree, heads, drafter, chains_only=getattr(backbone, "chains_only", False))
     name = resolve_scheduler_name(spec, heads)
     if (spec.tree == "auto" or name != "static") and heads.policy.calibrated:
         policy.latency = latency or load_or_measure(backbone, verbose=True)

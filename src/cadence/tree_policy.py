@@ -97,6 +97,7 @@ class TreePolicy:
     latency: LatencyCurve | None = None  # this machine's verify latency (needed by auto)
     draft_s: float = 0.0  # seconds per drafted level
     margin: float = 0.05  # auto: required expected gain over plain decoding
+    chains_only: bool = False  # grow chains only (the backbone's ``chains_only``: branching trees cost more)
     _cache: dict = field(default_factory=dict, repr=False)
     choices: dict = field(default_factory=dict, repr=False)  # auto: copying -> Choice (for reports)
 
@@ -109,7 +110,15 @@ class TreePolicy:
     def table(self, copying: bool):
         """The heads' calibrated acceptance table with or without context copy (None if uncalibrated)."""
         policy = self.heads.policy
-        return policy.copy_acceptance if copying else policy.acceptance
+        return self.shape(policy.copy_acceptance if copying else policy.acceptance)
+
+    def shape(self, table):
+        """An acceptance table as trees may use it: with ``chains_only``, the top-ranked
+        candidate of each depth alone, so every tree grown from it is a chain. Example:
+        [[.6, .1], [.5, .1]] -> [[.6], [.5]]."""
+        if table is None or not self.chains_only:
+            return table
+        return [list(row[:1]) for row in table]
 
     def _resolve(self, copying: bool, max_depth: int) -> CompiledTree:
         suffix = "+copy" if copying else ""

@@ -99,3 +99,82 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, -1)], dim=-2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out[:, :, :n]
+
+
+def tree_paths(ancestors: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Cover a tree's nodes with root-to-leaf paths, each node attended on exactly one.
+
+    ancestors[i]: the tree nodes node i sees, itself included, root first (its row of the
+    tree mask). Returns (path, rows): ``path`` the nodes root..leaf, ``rows`` the nodes
+    attended while ``path`` sits in the cache slots right after the context, as plain
+    decoding would have put it. Leaves are taken in node order; a path whose nodes were all
+    attended on an earlier one is dropped. Example: 0 -> (1, 2), 1 -> 3: ancestors
+    [[0], [0, 1], [0, 2], [0, 1, 3]] -> [([0, 2], [0, 2]), ([0, 1, 3], [1, 3])].
+    """
+    inner = {a for anc in ancestors for a in anc[:-1]}
+    done: set[int] = set()
+    out = []
+    for leaf, path in enumerate(ancestors):
+        if leaf in inner:
+            continue
+        rows = [node for node in path if node not in done]
+        done.update(rows)
+        if rows:
+            out.append((list(path), rows))
+    return out
+
+
+def is_laid_out(ancestors: list[list[int]]) -> bool:
+    """True when every node's ancestors sit in the slots plain decoding gives them (node i
+    at depth d has ancestors [0, 1, ..., d - 1]: a chain, or no tree at all)."""
+    return all(anc == list(range(len(anc))) for anc in ancestors)
+
+
+class PathAttention:
+    """Tree attention in which every node reduces over its keys in plain decoding's order.
+
+    In a branching tree, node i's ancestors sit at scattered cache slots (the tree's nodes
+    are written in node order after the ``past`` committed entries); the masked gaps move
+    the real keys to other lanes of the attention kernel's reductions, and bf16 logits then
+    differ from plain decoding by up to 0.6 (``benchmarks/consistency.py --tree``). Here
+    each path of ``tree_paths`` is copied to slots [past, past + len(path)) in turn and its
+    rows attend there, over ``keys_for`` keys, as a chain would; the tree's own entries are
+    written back in node order afterwards (compaction reads them there). Costs one small
+    copy and one or two attention calls per path and layer.
+
+    Worked example: past 100, tree 0 -> (1, 2), 1 -> 3. Path [0, 2]: slots 100, 101 hold
+    nodes 0, 2; rows 0 and 2 attend keys [0, 101) and [0, 102) of 192 (the rest masked).
+    Path [0, 1, 3]: slots 100-102 hold nodes 0, 1, 3; rows 1 and 3 attend [0, 102) and
+    [0, 103). Then slots 100-103 get nodes 0-3 again.
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, past: int,
+                 ancestors: list[list[int]], limit: int):
+        """k_cache, v_cache: (layers, b, KV, capacity, head_dim), room for every key read."""
+        self.k_cache, self.v_cache, self.past = k_cache, v_cache, past
+        dev = k_cache.device
+        self.parts = []
+        for path, rows in tree_paths(ancestors):
+            depths = [len(ancestors[r]) - 1 for r in rows]
+            groups = row_groups([past + d for d in depths], limit)
+            keys = groups[-1][1]
+            mask = torch.zeros(len(rows), keys, dtype=torch.bool, device=dev)
+            mask[:, :past] = True
+            for j, d in enumerate(depths):
+                mask[j, past:past + d + 1] = True
+            self.parts.append((torch.tensor(path, device=dev), torch.tensor(rows, device=dev), mask, groups))
+        self.keys = max(groups[-1][1] for *_, groups in self.parts)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """q: (b, H, n, d); k, v: (b, KV, n, d) of the tree's nodes -> (b, H, n, d)."""
+        K, V, past = self.k_cache[layer], self.v_cache[layer], self.past
+        out = q.new_empty(q.shape)
+        for path, rows, mask, groups in self.parts:
+            m = path.numel()
+            K[:, :, past:past + m] = k.index_select(2, path)
+            V[:, :, past:past + m] = v.index_select(2, path)
+            out[:, :, rows] = attend_groups(q.index_select(2, rows), K, V, mask, gqa, groups)
+        n = k.shape[2]
+        K[:, :, past:past + n] = k
+        V[:, :, past:past + n] = v
+        return out

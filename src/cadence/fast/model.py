@@ -65,6 +65,7 @@ class FastBackbone(Backbone):
         self._head = Linear(self.lm_head.weight, self.lm_head.bias, "onednn" if self.pack_head else
                             ("onednn-dense" if self.kernel.startswith("onednn") else "aten"))
         self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
+        self.chains_only = self.consistent  # a branching tree attends once per path (``PathAttention``)
         if self.consistent:
             for lin in [self._head] + [getattr(layer, n) for layer in self._layers for n in ("qkv", "o", "gate_up", "down")]:
                 lin.min_rows = consistent.MIN_ROWS
@@ -200,7 +201,7 @@ class FastBackbone(Backbone):
             return cache.k[i, block, :, :end], cache.v[i, block, :, :end]
 
         with torch.autocast(dev.type, enabled=False):
-            hidden = self._layers_forward(input_ids, cos, sin, mask, causal, store)
+            hidden = self._layers_forward(input_ids, cos, sin, self._attention(store, mask, causal))
             for j, start in enumerate(starts):
                 cache.lengths[first + j] = start + n
             return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
@@ -278,21 +279,43 @@ class FastBackbone(Backbone):
                 cache.k[i, :, :, past:past + n] = k
                 cache.v[i, :, :, past:past + n] = v
                 return cache.k[i, :, :, :keys], cache.v[i, :, :, :keys]
-        x = self._layers_forward(input_ids, cos, sin, mask, causal, store, groups=groups)
+        attention = self._attention(store, mask, causal, groups)
+        if steady and tree_mask is not None:
+            ancestors = [row.nonzero().flatten().tolist() for row in tree_mask.to(torch.bool)]
+            if not consistent.is_laid_out(ancestors):  # a branching tree: paths in decoding's slots
+                paths = consistent.PathAttention(cache.k, cache.v, past, ancestors, cache.max_positions)
+                attention = self._path_attention(paths)  # same positions, so the keys reserved above
+        x = self._layers_forward(input_ids, cos, sin, attention)
         if cache is not None:
             cache.advance(n)
         return x
 
-    def _layers_forward(self, input_ids, cos, sin, mask, causal: bool, store, groups=None) -> torch.Tensor:
-        """Embedding, decoder layers and final norm -> (b, n, d). ``groups``: attention through
+    def _attention(self, store, mask, causal: bool, groups=None):
+        """``attend(layer, q, k, v)`` for ``_layers_forward``: ``store(layer, k, v)`` (k, v of
+        shape (b, kv_heads, n, head_dim)) writes the new keys/values to a cache and returns the
+        keys/values to attend to (None: attend to the new tokens only); ``groups``: through
         ``consistent.attend_groups`` (rows grouped by key count, at least 4 query rows per
-        call; ``consistent.row_groups``), None for one plain call. ``store(layer, k, v)``
-        (k, v of shape (b, kv_heads, n, head_dim)) writes the new keys/values to a cache and
-        returns the keys/values to attend to; None: attend to the new tokens only."""
+        call; ``consistent.row_groups``), None for one plain call."""
+        gqa = self.spec.heads != self.spec.kv_heads
+
+        def attend(i, q, k, v):
+            if store is not None:
+                k, v = store(i, k, v)
+            if groups is not None:
+                return consistent.attend_groups(q, k, v, mask, gqa, groups)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        return attend
+
+    def _path_attention(self, paths: consistent.PathAttention):
+        gqa = self.spec.heads != self.spec.kv_heads
+        return lambda i, q, k, v: paths(i, q, k, v, gqa)
+
+    def _layers_forward(self, input_ids, cos, sin, attend) -> torch.Tensor:
+        """Embedding, decoder layers and final norm -> (b, n, d); ``attend(layer, q, k, v)``
+        (``_attention``) gives each layer's attention output (b, heads, n, head_dim)."""
         s = self.spec
         b, n = input_ids.shape
         H, KV, hd = s.heads, s.kv_heads, s.head_dim
-        gqa = H != KV
         x = F.embedding(input_ids.to(self.device), self.embed.weight)
         for i, layer in enumerate(self._layers):
             h = _rms(x, layer.ln1, s.eps)
@@ -306,12 +329,7 @@ class FastBackbone(Backbone):
                 q, k = qk[:, :, :H], qk[:, :, H:]
             v = qkv[..., (H + KV) * hd:].view(b, n, KV, hd)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if store is not None:
-                k, v = store(i, k, v)
-            if groups is not None:
-                att = consistent.attend_groups(q, k, v, mask, gqa, groups)
-            else:
-                att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+            att = attend(i, q, k, v)
             x = x + layer.o(att.transpose(1, 2).reshape(b, n, H * hd))
             h = _rms(x, layer.ln2, s.eps)
             gu = layer.gate_up(h)

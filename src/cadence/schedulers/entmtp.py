@@ -76,12 +76,13 @@ class EntMTPScheduler:
 
 
 def bin_trees(profile: Profile, copying: bool, latency, draft_s: float, num_heads: int, max_depth: int,
-              margin: float, suffix: str = "") -> list[CompiledTree]:
-    """The best tree of each bin under this machine's latency."""
+              margin: float, suffix: str = "", shape=lambda table: table) -> list[CompiledTree]:
+    """The best tree of each bin under this machine's latency (``shape``: the policy's
+    table filter, e.g. chains only)."""
     tables = profile.copy_tables if copying and profile.copy_tables else profile.tables
     out = []
     for i, table in enumerate(tables):
-        choice = best_tree(table, latency, draft_s, num_heads, max_depth, margin)
+        choice = best_tree(shape(table), latency, draft_s, num_heads, max_depth, margin)
         out.append(compile_tree(choice.paths, name=f"entmtp-b{i}-{len(choice.paths)}{suffix}"))
     return out
 
@@ -111,6 +112,7 @@ def build_entmtp(ctx):
         depth = ctx.drafter.max_depth(sampling)
         if (copying, depth) not in cache:
             cache[copying, depth] = bin_trees(profile, copying, ctx.policy.latency, ctx.policy.draft_s,
-                                              ctx.heads.K, depth, ctx.policy.margin, "+copy" if copying else "")
+                                              ctx.heads.K, depth, ctx.policy.margin, "+copy" if copying else "",
+                                              shape=ctx.policy.shape)
         return EntMTPScheduler(profile.edges, cache[copying, depth])
     return factory

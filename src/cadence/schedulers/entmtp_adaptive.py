@@ -68,7 +68,7 @@ def build(ctx):
         tables = profile.copy_tables if copying else profile.tables
         if (copying, depth) not in cache:
             suffix = "+copy" if copying else ""
-            cache[copying, depth] = [frontier(t, ctx.policy.latency, ctx.policy.draft_s, ctx.heads.K, depth,
+            cache[copying, depth] = [frontier(ctx.policy.shape(t), ctx.policy.latency, ctx.policy.draft_s, ctx.heads.K, depth,
                                               suffix=f"{suffix}@b{i}") for i, t in enumerate(tables)]
         shadow_qs = [t[0][0] for t in tables] if sampling.greedy else None
         return BinnedAdaptiveScheduler(profile.edges, cache[copying, depth], shadow_qs,

@@ -131,7 +131,7 @@ class Schedulers:
             raise bad(f"scheduler {name!r} is lossy (commits unverified drafts); this server was not "
                       "started with a lossy scheduler, so it refuses one per request", "cadence.scheduler")
         policy = TreePolicy(spec.tree, heads, drafter, latency=base.latency, draft_s=base.draft_s,
-                            margin=base.margin)
+                            margin=base.margin, chains_only=getattr(engine.backbone, "chains_only", False))
         try:
             policy.tree_for(SamplingParams())  # a bad tree name fails here, not mid-request
             return entry.build(SchedulerContext(engine.backbone, heads, drafter, policy, spec))
