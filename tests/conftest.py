@@ -3,6 +3,9 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# --dtype auto stays float32 on every CPU here (it would be bf16 on CPUs with native bf16):
+# the suite's tiny models then compute the same way on every machine
+os.environ.setdefault("CADENCE_CPU_AUTO_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

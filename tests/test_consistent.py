@@ -204,3 +204,34 @@ def test_bf16_path_attention_gives_each_node_the_bits_of_its_chain_layout():
             alone = consistent.attend(q[:, :, r:r + 1], K[:, :, :keys], V[:, :, :keys], m, True)
             differ += not torch.equal(out[:, :, r], alone[:, :, 0])
     assert differ == 0, f"{differ} rows differ"
+
+
+@needs_onednn
+def test_bf16_batched_rows_get_the_bits_of_each_request_alone():
+    """The batch engine's forward (``forward_rows``: ragged rows, padded trees) gives each
+    real node the logits of its request's own tree forward (itself equal to plain decoding)."""
+    from cadence.batch.layout import pack
+    from cadence.fast.model import FastBackbone
+    from cadence.scorer import score
+    from cadence.trees import compile_tree, grow_tree, prior_acceptance
+    from tiny import tiny_backbone
+
+    plain = tiny_backbone("llama", hidden=768, layers=4)
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain)
+    gen = torch.Generator().manual_seed(2)
+    trees = [compile_tree([(0,), (0, 0)], name="c3"), compile_tree(grow_tree(prior_acceptance(4, ranks=3), 6), name="t7"),
+             compile_tree([], name="r")]
+    for pasts in ([61, 130, 90], [200, 62, 127]):
+        prompts = [torch.randint(0, bb.vocab_size, (1, p), generator=gen) for p in pasts]
+        toks = [torch.randint(0, bb.vocab_size, (t.size,), generator=gen) for t in trees]
+        cache = bb.new_batch_cache(len(trees))
+        for slot, prompt in enumerate(prompts):
+            bb.forward_rows(prompt, cache, slot, [0], need_logits=False)
+        p = pack(pasts, trees, toks, bb.device)
+        batched = bb.forward_rows(p.tokens, cache, 0, p.starts, p.positions, p.mask).logits
+        for r, (prompt, tree) in enumerate(zip(prompts, trees)):
+            alone = bb.new_cache()
+            bb.forward(prompt, alone, need_logits=False)
+            want = score(bb, alone, pasts[r], tree, toks[r]).logits[0]
+            assert torch.equal(batched[r, :tree.size], want), (pasts, r)

@@ -126,3 +126,26 @@ def test_a_chains_only_backbone_gets_chains_from_every_tree_choice(llama):
     for cand in frontier(policy.table(False), flat, 0.0, 3, 3):
         assert cand.tree.is_chain
     assert _probe_tree(8, chains_only=True).is_chain and not _probe_tree(8).is_chain
+    asked = TreePolicy("auto-5", heads, drafter, flat, chains_only=True).tree_for(SamplingParams())
+    assert asked.size == 6 and not asked.is_chain  # auto-N is the user's shape: N drafts, any tree
+
+
+def test_auto_dtype_takes_bf16_only_where_it_is_lossless(monkeypatch):
+    import torch
+
+    import cadence.fast.cpu as cpu
+    from cadence.backbone import lossless_bf16
+    from tiny import tiny_backbone
+
+    config = tiny_backbone("llama").config
+    monkeypatch.delenv("CADENCE_CPU_AUTO_DTYPE", raising=False)
+    monkeypatch.setattr(cpu, "native_bf16", lambda: True)
+    monkeypatch.setattr(cpu, "onednn_available", lambda: True)
+    cpu_dev = torch.device("cpu")
+    assert lossless_bf16(config, cpu_dev, "auto") and lossless_bf16(config, cpu_dev, "fast")
+    assert not lossless_bf16(config, cpu_dev, "transformers")  # no row-consistent forward there
+    monkeypatch.setenv("CADENCE_CPU_AUTO_DTYPE", "float32")
+    assert not lossless_bf16(config, cpu_dev, "auto")
+    monkeypatch.delenv("CADENCE_CPU_AUTO_DTYPE")
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)  # an AVX2-only CPU
+    assert not lossless_bf16(config, cpu_dev, "auto")

@@ -38,11 +38,29 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
         return name
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if name is None or name == "auto":
+    if name is None or name == "auto":  # on CPU, load_backbone may still pick bf16 (``lossless_bf16``)
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if name not in table:
         raise CadenceError(f"unknown dtype {name!r}; choose one of {sorted(table)}")
     return table[name]
+
+
+def lossless_bf16(config, device: torch.device, backend: str) -> bool:
+    """Whether ``--dtype auto`` takes bf16 on this CPU: where the fast path's row-consistent
+    bf16 forward runs (``cadence.fast.consistent``: native bf16 math and oneDNN, a model the
+    fast decoder supports), speculative output is byte-identical to plain bf16 decoding and
+    a verify over 8 nodes costs about one token, so bf16 is both lossless and the fastest.
+    Elsewhere on CPU (AVX2-only, no oneDNN, the transformers backend) auto stays fp32, and
+    everywhere when ``CADENCE_CPU_AUTO_DTYPE=float32`` is set (the test suite sets it, so its
+    numbers do not depend on the CPU)."""
+    if device.type != "cpu" or backend == "transformers":
+        return False
+    if os.environ.get("CADENCE_CPU_AUTO_DTYPE", "").lower() in ("float32", "fp32"):
+        return False
+    from cadence.fast.arch import unsupported_reason
+    from cadence.fast.cpu import native_bf16, onednn_available
+
+    return native_bf16() and onednn_available() and unsupported_reason(config) is None
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -279,6 +297,8 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise CadenceError(f"cannot read model config in {path}: {exc}") from exc
+    if dtype in (None, "auto") and lossless_bf16(config, dev, backend):
+        dt = torch.bfloat16
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
     except ValueError as exc:

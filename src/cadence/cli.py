@@ -16,7 +16,8 @@ from cadence.errors import CadenceError
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a HF model directory, or a .gguf file")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU and on CPUs with native bf16 + oneDNN where the fast path's "
+                   "bf16 is row-consistent, i.e. lossless; float32 on other CPUs) | float32 | bfloat16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
                    help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "

@@ -107,10 +107,12 @@ class TreePolicy:
             self._cache[copying] = self._resolve(copying, self.drafter.max_depth(sampling))
         return self._cache[copying]
 
-    def table(self, copying: bool):
-        """The heads' calibrated acceptance table with or without context copy (None if uncalibrated)."""
+    def table(self, copying: bool, shaped: bool = True):
+        """The heads' calibrated acceptance table with or without context copy (None if
+        uncalibrated); ``shaped``: as trees chosen for the user may use it (``shape``)."""
         policy = self.heads.policy
-        return self.shape(policy.copy_acceptance if copying else policy.acceptance)
+        table = policy.copy_acceptance if copying else policy.acceptance
+        return self.shape(table) if shaped else table
 
     def shape(self, table):
         """An acceptance table as trees may use it: with ``chains_only``, the top-ranked
@@ -133,7 +135,7 @@ class TreePolicy:
             size = self.name[len("auto-"):]
             if not size.isdigit() or int(size) < 1:
                 raise CadenceError(f"bad tree {self.name!r}: auto-N needs a node count N >= 1, e.g. auto-8")
-            table = self.table(copying)
+            table = self.table(copying, shaped=False)  # the user asked for N nodes: any shape
             if table is None:
                 raise CadenceError(f"--tree {self.name} needs the acceptance table of `cadence calibrate` "
                                    f"({'copy_acceptance' if copying else 'acceptance'} in the heads' draft_config.json)")

@@ -48,7 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up generations")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a HF model directory, or a .gguf file")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU and on CPUs where bf16 is lossless: native bf16 + oneDNN + the fast path; else float32) | float32 | bfloat16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                    help="print the difference between two results.json files (or run directories) and exit")

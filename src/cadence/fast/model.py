@@ -200,11 +200,41 @@ class FastBackbone(Backbone):
                 cache.v[i][rows, :, cols] = v.transpose(1, 2)
             return cache.k[i, block, :, :end], cache.v[i, block, :, :end]
 
+        attention = self._attention(store, mask, causal)
+        if self.consistent and mask is not None:
+            attention = self._rows_consistent(cache, first, starts, position_ids, mask, store)
         with torch.autocast(dev.type, enabled=False):
-            hidden = self._layers_forward(input_ids, cos, sin, self._attention(store, mask, causal))
+            hidden = self._layers_forward(input_ids, cos, sin, attention)
             for j, start in enumerate(starts):
                 cache.lengths[first + j] = start + n
             return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
+
+    def _rows_consistent(self, cache: BatchKVCache, first: int, starts: list[int], position_ids: torch.Tensor,
+                         mask: torch.Tensor, store):
+        """``attend`` for a row-consistent batched forward: each row attends alone, its paths
+        in plain decoding's slots (``consistent.PathAttention`` on its own cache row), so a
+        node gets the bits a one-token forward of that request alone gives it. mask: (B, 1,
+        n, L) as ``forward_rows`` takes it; a padding node (sees the committed entries and
+        itself) is a path of its own."""
+        n = mask.shape[2]
+        top = int(position_ids.max())
+        cache.reserve(consistent.keys_for(top, cache.max_positions))  # before views of the buffers
+        rows = []
+        for r, start in enumerate(starts):
+            tree = mask[r, 0, :, start:start + n]
+            ancestors = [row.nonzero().flatten().tolist() for row in tree]
+            s = first + r
+            rows.append(consistent.PathAttention(cache.k[:, s:s + 1], cache.v[:, s:s + 1], start, ancestors,
+                                                 cache.max_positions))
+        gqa = self.spec.heads != self.spec.kv_heads
+
+        def attend(i, q, k, v):
+            store(i, k, v)
+            out = q.new_empty(q.shape)
+            for r, paths in enumerate(rows):
+                out[r:r + 1] = paths(i, q[r:r + 1], k[r:r + 1], v[r:r + 1], gqa)
+            return out
+        return attend
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(hidden.to(self.dtype)).float()
