@@ -44,10 +44,11 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--quant", default="none", help="none | int8 (weight-only; vanilla runs the same model)")
     ap.add_argument("--prompts", default=str(PROMPTS))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "categories.json"))
     args = ap.parse_args()
-    bb = load_backbone(args.model, args.dtype, backend=args.backend)
+    bb = load_backbone(args.model, args.dtype, backend=args.backend, quant=args.quant)
     engines = {"vanilla": make_engine(bb, MethodSpec(method=Method.VANILLA))}
     for m in args.methods:
         engines[m] = make_engine(bb, parse_method(m))
@@ -73,7 +74,7 @@ def main() -> None:
               flush=True)
     table = summarize(rows, list(engines))
     print_table(table, list(engines), trees)
-    result = {"machine": machine_info(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "backend": type(bb).__name__,
+    result = {"machine": machine_info(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "backend": type(bb).__name__, "quant": args.quant,
               "dtype": str(bb.dtype), "trees": trees, "table": table, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -32,15 +32,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--contexts", type=int, default=20)
     ap.add_argument("--off", action="store_true", help="no row-consistent padding")
+    ap.add_argument("--quant", default="none", help="none | int8 (weight-only)")
     ap.add_argument("--chain", action="store_true", help="every node of a chain of 8, not only the root")
     ap.add_argument("--tree", action="store_true", help="every node of a branching 9-node tree")
     args = ap.parse_args()
     if args.off:
         consistent.wanted = lambda kernel, dtype: False
-    bb = load_backbone(args.model, args.dtype, backend="fast")
+    bb = load_backbone(args.model, args.dtype, backend="fast", quant=args.quant)
     probe = chain_probe if args.chain else tree_probe if args.tree else root_probe
     bad, total = probe(bb, args.contexts)
-    print(f"{machine_line(machine_info())}; {bb.dtype}, padding {'off' if args.off else 'on' if bb.consistent else 'not used'}")
+    print(f"{machine_line(machine_info())}; {bb.dtype}, quant {bb.quant}, padding {'off' if args.off else 'on' if bb.consistent else 'not used'}")
     what = "chain-node" if args.chain else "tree-node" if args.tree else "root"
     print(f"{len(bad)} of {total} {what} logits differ; largest {max((d for *_, d in bad), default=0):.4f}")
     for past, n, diff in bad[:10]:

@@ -280,14 +280,17 @@ BACKENDS = ("auto", "fast", "transformers")
 
 
 def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
-                  device: str | None = None, backend: str = "auto") -> Backbone:
+                  device: str | None = None, backend: str = "auto", quant: str = "none") -> Backbone:
     """Load ``spec`` (``smollm2``, an HF directory, or a .gguf file) as a frozen Backbone.
 
     backend: ``transformers`` runs transformers' own forward; ``fast`` the compact decoder
     of ``cadence.fast`` (Llama/Qwen families; an error for other models); ``auto`` the
-    fast one when the model is supported, else transformers."""
+    fast one when the model is supported, else transformers. quant: ``none`` or ``int8``
+    (weight-only, fast decoder on CPU only; lossy against the unquantized model)."""
     if backend not in BACKENDS:
         raise CadenceError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if quant != "none" and backend == "transformers":
+        raise CadenceError(f"--quant {quant} needs the fast backend (--backend fast or auto)")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -310,13 +313,15 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
     except Exception:
         tok = None
     backbone = Backbone(model.to(dev), tok, name=name)
-    return _with_backend(backbone, backend)
+    return _with_backend(backbone, backend, quant)
 
 
-def _with_backend(backbone: Backbone, backend: str) -> Backbone:
+def _with_backend(backbone: Backbone, backend: str, quant: str = "none") -> Backbone:
     """Swap in the fast decoder of ``cadence.fast`` where it applies: ``transformers`` keeps
     ``backbone``; ``fast`` wraps the same model in a ``FastBackbone`` (CadenceError when the
     architecture is unsupported); ``auto`` does so when supported, else keeps ``backbone``."""
     from cadence.fast import make_fast
 
+    if quant != "none":
+        return make_fast(backbone, "fast", quant=quant)  # an unsupported model: a clear error
     return make_fast(backbone, backend)

@@ -22,6 +22,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
                    help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "
                         "or auto (fast where supported)")
+    p.add_argument("--quant", default="none", choices=["none", "int8"],
+                   help="int8: weight-only int8 projections and LM head (fast backend, CPU; LOSSY against "
+                        "the unquantized model, speculation stays identical to plain int8 decoding)")
 
 
 def _generate_parser(sub) -> None:
@@ -65,7 +68,7 @@ def _run_generate(args) -> int:
     prompts = _prompts(args)
     spec = from_args(MethodSpec, args)
     cfg = from_args(GenerationConfig, args)
-    backbone = load_backbone(args.model, args.dtype, args.device, args.backend)
+    backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant)
     engine = make_engine(backbone, spec)
     vanilla = make_engine(backbone, MethodSpec(method=Method.VANILLA)) if args.compare else None
     chat = args.chat if args.chat is not None else bool(getattr(backbone.tokenizer, "chat_template", None))

@@ -73,6 +73,8 @@ def machine_key(backbone) -> str:
              str(backbone.hidden_size), str(backbone.vocab_size), str(backbone.config.num_hidden_layers)]
     if getattr(backbone, "chains_only", False):
         parts.append("chains")  # its curve is measured on chains
+    if getattr(backbone, "quant", "none") != "none":
+        parts.append(f"quant={backbone.quant}")
     digest = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
     return f"{backbone.name}-{str(backbone.dtype).replace('torch.', '')}-{digest}"
 

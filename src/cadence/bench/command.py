@@ -50,6 +50,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a HF model directory, or a .gguf file")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU and on CPUs where bf16 is lossless: native bf16 + oneDNN + the fast path; else float32) | float32 | bfloat16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--quant", default="none", choices=["none", "int8"],
+                   help="int8: weight-only int8 backbone (LOSSY against the unquantized model; every method, "
+                        "vanilla included, runs the same int8 model)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                    help="print the difference between two results.json files (or run directories) and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -63,7 +66,7 @@ def config_from_args(args):
         tasks=list(args.tasks), methods=list(args.methods), heads=args.heads, heads_dir=args.heads_dir,
         num_heads=args.num_heads, heads_seed=args.heads_seed, limit=args.limit,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        rule=args.rule, repeats=args.repeats, out=args.out, model=args.model, dtype=args.dtype,
+        rule=args.rule, repeats=args.repeats, out=args.out, model=args.model, dtype=args.dtype, quant=args.quant,
         device=args.device, custom=args.custom, subset_seed=args.subset_seed,
         humaneval_timeout=args.humaneval_timeout, warmup=args.warmup, plots=args.plots,
         command=shlex.join(["cadence"] + sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None)

@@ -57,6 +57,7 @@ class BenchConfig:
     out: str = "bench-results"
     model: str = "smollm2"
     dtype: str = "auto"
+    quant: str = "none"  # none | int8 (weight-only; the backbone every method runs, vanilla included)
     device: str = "auto"
     custom: str | None = None  # JSONL file for the custom task
     subset_seed: int = 0
@@ -76,7 +77,7 @@ class BenchConfig:
 
     def comparable(self) -> dict:
         """The settings that must match for records of two runs to be mixed."""
-        keys = ("model", "dtype", "max_new_tokens", "temperature", "top_p", "top_k", "rule",
+        keys = ("model", "dtype", "quant", "max_new_tokens", "temperature", "top_p", "top_k", "rule",
                 "heads", "heads_dir", "num_heads", "heads_seed", "subset_seed", "custom")
         return {k: getattr(self, k) for k in keys}
 
@@ -318,7 +319,7 @@ def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) 
     if backbone is None:
         from cadence.backbone import load_backbone
 
-        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device)
+        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, quant=cfg.quant)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     check_resume(out, cfg, backbone.name)

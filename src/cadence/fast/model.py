@@ -30,6 +30,19 @@ from cadence.fast.cache import BatchKVCache, StaticKVCache
 from cadence.fast.kernels import Linear, resolve_kind
 
 
+QUANTS = ("none", "int8")
+
+
+def check_quant(quant: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``--quant``: none, or int8 (weight-only, CPU: lossy against the unquantized model;
+    speculative output is then compared with plain decoding of the same int8 model)."""
+    if quant not in QUANTS:
+        raise CadenceError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANTS)}")
+    if quant == "int8" and device.type != "cpu":
+        raise CadenceError("--quant int8 runs on CPU only (weight-only int8 through torch's CPU kernel)")
+    return quant
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalise in fp32, cast back, scale by the weight."""
     y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
@@ -53,17 +66,19 @@ class FastBackbone(Backbone):
     """``Backbone`` with a lean forward; every other attribute is the transformers one."""
 
     def __init__(self, model, tokenizer=None, name: str = "model", kernel: str = "auto",
-                 pack_head: bool = False):
+                 pack_head: bool = False, quant: str = "none"):
         super().__init__(model, tokenizer, name=name)
         self.spec = arch.check(model.config)
         self.kernel = resolve_kind(kernel, self.device, self.dtype)
+        self.quant = check_quant(quant, self.device, self.dtype)
+        self.layer_kind = "int8" if self.quant == "int8" else self.kernel  # the projections' kernel
         self.pack_head = pack_head and self.kernel == "onednn"
         self._layers: list[_Layer] = []
         self._released: list = []  # (module, name, fused Linear, row slice) to rebuild on demand
         self._build()
         self.rope = rope.RopeTable(model.model.rotary_emb, self.max_positions, self.dtype, self.device)
-        self._head = Linear(self.lm_head.weight, self.lm_head.bias, "onednn" if self.pack_head else
-                            ("onednn-dense" if self.kernel.startswith("onednn") else "aten"))
+        head_kind = "onednn" if self.pack_head else ("onednn-dense" if self.kernel.startswith("onednn") else "aten")
+        self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
         self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
         self.chains_only = self.consistent  # a branching tree attends once per path (``PathAttention``)
         if self.consistent:
@@ -81,7 +96,7 @@ class FastBackbone(Backbone):
     @torch.no_grad()
     def _fuse(self, modules: list) -> Linear:
         weight = torch.cat([m.weight.detach() for m in modules], dim=0)
-        fused = Linear(weight, _bias(*modules), self.kernel)
+        fused = Linear(weight, _bias(*modules), self.layer_kind)
         start = 0
         for m in modules:
             rows = slice(start, start + m.out_features)
@@ -90,7 +105,7 @@ class FastBackbone(Backbone):
         return fused
 
     def _own(self, module) -> Linear:
-        lin = Linear(module.weight, module.bias, self.kernel)
+        lin = Linear(module.weight, module.bias, self.layer_kind)
         self._share(module, lin, slice(0, module.out_features))
         return lin
 
@@ -107,7 +122,7 @@ class FastBackbone(Backbone):
         cache = {}
         for module, lin, rows in self._released:
             if id(lin) not in cache:
-                cache[id(lin)] = lin.w.to_dense()
+                cache[id(lin)] = lin.to_dense()
             module.weight = torch.nn.Parameter(cache[id(lin)][rows], requires_grad=False)
         self._released = []
         if self._hook is not None:
@@ -136,8 +151,8 @@ class FastBackbone(Backbone):
         head_shared = self.lm_head.weight.data_ptr() == emb.data_ptr()
         out = {"layers": fused, "embed": emb.numel() * emb.element_size(),
                "lm_head": 0 if head_shared else self._head.nbytes(),
-               "packed_head_copy": self._head.nbytes() if self.pack_head else 0,
-               "dense_layer_copy": 0 if self.kernel != "onednn" or self._released else fused}
+               "packed_head_copy": self._head.nbytes() if self.pack_head or self.quant != "none" else 0,
+               "dense_layer_copy": 0 if self.layer_kind not in ("onednn", "int8") or self._released else fused}
         out["total"] = sum(out.values())
         return out
 
