@@ -2,9 +2,10 @@
 
 1. `vanilla` (cadence's engine with no drafter) vs transformers `generate` on the same
    model and prompts, interleaved per prompt, warm-up excluded: tokens/s and ratio.
-2. The time of one backbone forward over 1, 4, 16, 32, 64 tree nodes (tree mask,
-   logits for every node, as the engine does) on a fixed-length context, median of
-   several runs, relative to 1 node.
+2. The time of one backbone forward over 1, 2, 4, 8, 16, 32, 64 tree nodes (``--sizes``;
+   logits for every node, as the engine does; the latency probe's trees: bushy, or chains
+   on a ``chains_only`` backbone such as lossless bf16) on a fixed-length context, lower
+   quartile of several runs, relative to 1 node.
 
 Usage:  python benchmarks/overhead.py [--model smollm2] [--max-new-tokens 128] [--repeats 2]
 Writes benchmarks/results/overhead.json and prints a markdown table.
@@ -78,18 +79,22 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="backbone dtype: auto | float32 | bfloat16")
     ap.add_argument("--skip-generate", action="store_true", help="only the forward-cost curve")
+    ap.add_argument("--quant", default="none", help="none | int8 (weight-only)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="tree sizes to time")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
     args = ap.parse_args()
-    bb = load_backbone(args.model, args.dtype)
+    bb = load_backbone(args.model, args.dtype, quant=args.quant)
     info = machine_info()
     speed = None if args.skip_generate else engine_vs_generate(bb, args.max_new_tokens, args.repeats)
-    costs = forward_costs(bb)
-    result = {"machine": info, "model": bb.name, "dtype": str(bb.dtype), "max_new_tokens": args.max_new_tokens,
+    costs = forward_costs(bb, sizes=tuple(args.sizes))
+    shape = "chains" if getattr(bb, "chains_only", False) else "bushy trees"
+    result = {"machine": info, "model": bb.name, "dtype": str(bb.dtype), "quant": args.quant, "tree_shape": shape,
+              "max_new_tokens": args.max_new_tokens,
               "prompts": len(PROMPTS), "repeats": args.repeats, "engine_vs_generate": speed,
               "forward_cost_by_nodes": costs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"Machine: {machine_line(info)}; backbone {bb.dtype}\n")
+    print(f"Machine: {machine_line(info)}; backbone {bb.dtype}, quant {args.quant}, probe trees: {shape}\n")
     if speed:
         print("| decoder | tok/s |\n|---|---|")
         print(f"| transformers generate | {speed['hf_generate_tok_s']:.2f} |")
