@@ -169,7 +169,7 @@ def measure(backbone, batches=BATCHES, sizes=SIZES, context: int = 128, rounds: 
     for r in range(rounds + 1):
         for b in batches:
             for n in sizes:
-                tree = _probe_tree(n)
+                tree = _probe_tree(n, getattr(backbone, "chains_only", False))
                 toks = [torch.randint(0, backbone.vocab_size, (n,), generator=gen) for _ in range(b)]
                 t = time.perf_counter()
                 p = pack([context] * b, [tree] * b, toks, dev)

@@ -148,6 +148,9 @@ class PathAttention:
     written back in node order afterwards (compaction reads them there). Costs one small
     copy and one or two attention calls per path and layer.
 
+    Rows past ``len(ancestors)`` (a batch row's padding nodes) are not attended: their
+    output is 0, finite, and never read.
+
     Worked example: past 100, tree 0 -> (1, 2), 1 -> 3. Path [0, 2]: slots 100, 101 hold
     nodes 0, 2; rows 0 and 2 attend keys [0, 101) and [0, 102) of 192 (the rest masked).
     Path [0, 1, 3]: slots 100-102 hold nodes 0, 1, 3; rows 1 and 3 attend [0, 102) and
@@ -158,6 +161,7 @@ class PathAttention:
                  ancestors: list[list[int]], limit: int):
         """k_cache, v_cache: (layers, b, KV, capacity, head_dim), room for every key read."""
         self.k_cache, self.v_cache, self.past = k_cache, v_cache, past
+        self.size = len(ancestors)  # nodes attended; any further rows of a call are padding (output 0)
         dev = k_cache.device
         self.parts = []
         for path, rows in tree_paths(ancestors):
@@ -168,19 +172,27 @@ class PathAttention:
             mask[:, :past] = True
             for j, d in enumerate(depths):
                 mask[j, past:past + d + 1] = True
-            self.parts.append((torch.tensor(path, device=dev), torch.tensor(rows, device=dev), mask, groups))
-        self.keys = max(groups[-1][1] for *_, groups in self.parts)
+            in_place = path == list(range(len(path)))  # already where node order puts it
+            self.parts.append((torch.tensor(path, device=dev), torch.tensor(rows, device=dev), mask, groups,
+                               in_place))
+        self.parts.sort(key=lambda part: not part[4])  # in-place paths first, before any copy
+        self.keys = max(part[3][-1][1] for part in self.parts)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-        """q: (b, H, n, d); k, v: (b, KV, n, d) of the tree's nodes -> (b, H, n, d)."""
-        K, V, past = self.k_cache[layer], self.v_cache[layer], self.past
-        out = q.new_empty(q.shape)
-        for path, rows, mask, groups in self.parts:
-            m = path.numel()
-            K[:, :, past:past + m] = k.index_select(2, path)
-            V[:, :, past:past + m] = v.index_select(2, path)
+        """q: (b, H, n, d); k, v: (b, KV, n, d) of the tree's nodes -> (b, H, n, d). The
+        cache slots [past, past + n) hold the nodes in node order on return."""
+        K, V, past, n = self.k_cache[layer], self.v_cache[layer], self.past, k.shape[2]
+        K[:, :, past:past + n] = k
+        V[:, :, past:past + n] = v
+        if len(self.parts) == 1 and self.parts[0][4] and self.size == n:  # a chain: one call, no copies
+            return attend_groups(q, K, V, self.parts[0][2], gqa, self.parts[0][3])
+        out = q.new_zeros(q.shape) if self.size < n else q.new_empty(q.shape)
+        for path, rows, mask, groups, in_place in self.parts:
+            if not in_place:
+                m = path.numel()
+                K[:, :, past:past + m] = k.index_select(2, path)
+                V[:, :, past:past + m] = v.index_select(2, path)
             out[:, :, rows] = attend_groups(q.index_select(2, rows), K, V, mask, gqa, groups)
-        n = k.shape[2]
         K[:, :, past:past + n] = k
         V[:, :, past:past + n] = v
         return out

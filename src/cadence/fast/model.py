@@ -229,8 +229,8 @@ class FastBackbone(Backbone):
         """``attend`` for a row-consistent batched forward: each row attends alone, its paths
         in plain decoding's slots (``consistent.PathAttention`` on its own cache row), so a
         node gets the bits a one-token forward of that request alone gives it. mask: (B, 1,
-        n, L) as ``forward_rows`` takes it; a padding node (sees the committed entries and
-        itself) is a path of its own."""
+        n, L) as ``forward_rows`` takes it; padding nodes (they see the committed entries and
+        themselves, not the root) are not attended (output 0, never read)."""
         n = mask.shape[2]
         top = int(position_ids.max())
         cache.reserve(consistent.keys_for(top, cache.max_positions))  # before views of the buffers
@@ -238,6 +238,7 @@ class FastBackbone(Backbone):
         for r, start in enumerate(starts):
             tree = mask[r, 0, :, start:start + n]
             ancestors = [row.nonzero().flatten().tolist() for row in tree]
+            ancestors = [a for a in ancestors if a[0] == 0]  # real nodes; padding ones (see ``layout``) come last
             s = first + r
             rows.append(consistent.PathAttention(cache.k[:, s:s + 1], cache.v[:, s:s + 1], start, ancestors,
                                                  cache.max_positions))
