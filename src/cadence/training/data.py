@@ -243,53 +243,92 @@ def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
 
 
 def _run(cfg: DistillConfig, backbone, store, items) -> dict:
-    settings = _settings(backbone, cfg)
-    limit = cfg.max_prompts if cfg.max_prompts > 0 else math.inf
-    m = store.manifest
-    done = store.done_hashes()
-    bufs = {"train": _Buffer(), "val": _Buffer()}
-    skipped: list[str] = []
-    state = {"last_flush": time.time(), "flushed_s": time.time()}
-    run = {"reply": 0, "prompts": 0, "t0": time.time(), "cpu0": time.process_time()}
-    threads = max(torch.get_num_threads(), 1)
+    return _DistillRun(cfg, backbone, store).run(items)
 
-    def flush(final: bool) -> None:
-        now = time.time()
-        seconds = now - state["flushed_s"]
-        state["flushed_s"] = now
-        wrote = False
-        for split in ("train", "val"):
-            b = bufs[split]
-            if not b or (split == "val" and not final and len(b) < max(8, cfg.shard_prompts // 8)):
+
+class _DistillRun:
+    """One ``cadence distill`` run over a store: prompts are deduplicated against the store,
+    pooled by length, generated in batches, buffered per split and flushed into shards."""
+
+    def __init__(self, cfg: DistillConfig, backbone, store):
+        self.cfg, self.backbone, self.store = cfg, backbone, store
+        self.settings = _settings(backbone, cfg)
+        self.m = store.manifest
+        self.bufs = {"train": _Buffer(), "val": _Buffer()}
+        self.skipped: list[str] = []  # hashes of prompts too long to answer, not yet recorded
+        self.last_flush = self.flushed_s = time.time()
+        self.reply = self.prompts = 0
+        self.t0, self.cpu0 = time.time(), time.process_time()
+        self.threads = max(torch.get_num_threads(), 1)
+
+    def run(self, items) -> dict:
+        """Answer every new prompt of ``items`` (up to ``max_prompts`` in the store); on SIGTERM
+        or Ctrl-C keep what is finished. Returns the store's manifest."""
+        cfg, m = self.cfg, self.m
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            old = signal.signal(signal.SIGTERM, _on_term)
+        _log(f"store {self.store.dir}: {m['prompts_done']} prompts, {len(m['shards'])} shards, "
+             f"{m['reply_tokens']} reply tokens; settings {self.settings}; batch {cfg.batch_size}, "
+             f"{self.threads} threads")
+        try:
+            pool: list = []
+            for entry in self._new_prompts(items):
+                pool.append(entry)
+                if len(pool) >= cfg.batch_size * 4:
+                    self._drain(pool)
+            self._drain(pool)
+            self.flush(True)
+        except (_Stop, KeyboardInterrupt):
+            _log("interrupted: writing the finished sequences")
+            self.flush(True)
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+        wall = time.time() - self.t0
+        _log(f"done: {self.prompts} prompts, {self.reply} reply tokens in {wall:.0f} s "
+             f"({self.reply / max(wall, 1e-9):.1f} tok/s); store {m['prompts_done']} prompts, "
+             f"{len(m['shards'])} shards, {m['reply_tokens']} reply tokens")
+        return m
+
+    def _new_prompts(self, items):
+        """(source, item, hash, ids) of each prompt the store has not seen, until the store
+        would hold ``max_prompts``; prompts too long are recorded as skipped instead."""
+        cfg = self.cfg
+        limit = cfg.max_prompts if cfg.max_prompts > 0 else math.inf
+        done, pending, start = self.store.done_hashes(), 0, self.m["prompts_done"]
+        for src, it in items:
+            if start + pending >= limit:
+                return
+            h = prompt_hash(it.prompt)
+            if h in done:
                 continue
-            n = cfg.shard_prompts
-            for a in range(0, len(b), n):
-                entry = store.append(split, b.seqs[a:a + n], b.plens[a:a + n], b.keys[a:a + n], b.hashes[a:a + n],
-                                     b.sources[a:a + n], settings,
-                                     b.topk[a:a + n] if cfg.topk_logits > 0 else None, skipped=list(skipped),
-                                     seconds=0.0 if wrote else seconds)
-                skipped.clear()
-                wrote = True
-                size = (store.dir / entry["file"]).stat().st_size
-                _log(f"wrote {entry['file']} ({split}: {entry['sequences']} sequences, {entry['tokens']} tokens, "
-                     f"{entry['reply_tokens']} reply tokens, {size / 1024:.1f} KiB, "
-                     f"{size / max(entry['tokens'], 1) * 1e6 / 2**20:.2f} MiB per million tokens)")
-            bufs[split] = _Buffer()
-        if not wrote and (skipped or final):
-            store.append("train", [], [], [], [], [], settings, skipped=list(skipped), seconds=seconds)
-            skipped.clear()
-        state["last_flush"] = now
+            done.add(h)
+            pending += 1
+            ids = self.backbone.encode_prompt(it.prompt, chat=True) if len(it.prompt) <= 16 * cfg.max_prompt_tokens else None
+            if ids is None or len(ids) > cfg.max_prompt_tokens:
+                self.skipped.append(h)
+                continue
+            yield src, it, h, ids
 
-    def process(batch: list[tuple[str, PromptItem, str, list[int]]]) -> None:
-        t = time.time()
+    def _drain(self, pool: list) -> None:
+        """Answer every pooled prompt, shortest first (less padding per batch); empties ``pool``."""
+        pool.sort(key=lambda x: len(x[3]))
+        while pool:
+            self.process(pool[:self.cfg.batch_size])
+            del pool[:self.cfg.batch_size]
+
+    def process(self, batch: list[tuple[str, PromptItem, str, list[int]]]) -> None:
+        """Answer one batch into the split buffers; flush when a shard is full or due."""
+        cfg, t = self.cfg, time.time()
         if cfg.mode == "generate":
-            replies, topk = generate_batch(backbone, [ids for *_, ids in batch], cfg)
+            replies, topk = generate_batch(self.backbone, [ids for *_, ids in batch], cfg)
         else:
-            replies, topk = reference_batch(backbone, [it for _, it, _, _ in batch]), None
+            replies, topk = reference_batch(self.backbone, [it for _, it, _, _ in batch]), None
         dt = time.time() - t
         n_reply = 0
         for j, ((src, it, h, ids), reply) in enumerate(zip(batch, replies)):
-            b = bufs["val" if is_val(it.key) else "train"]
+            b = self.bufs["val" if is_val(it.key) else "train"]
             b.seqs.append(ids + reply)
             b.plens.append(len(ids))
             b.keys.append(it.key)
@@ -298,66 +337,56 @@ def _run(cfg: DistillConfig, backbone, store, items) -> dict:
             if topk is not None:
                 b.topk.append(topk[j])
             n_reply += len(reply)
-        run["reply"] += n_reply
-        run["prompts"] += len(batch)
-        wall = time.time() - run["t0"]
-        busy = (time.process_time() - run["cpu0"]) / threads  # excludes time spent paused (SIGSTOP)
+        self.reply += n_reply
+        self.prompts += len(batch)
+        self._log_batch(batch, n_reply, dt)
+        if len(self.bufs["train"]) >= cfg.shard_prompts or time.time() - self.last_flush >= cfg.flush_seconds:
+            self.flush(False)
+
+    def _log_batch(self, batch, n_reply: int, dt: float) -> None:
+        m, bufs = self.m, self.bufs
+        wall = time.time() - self.t0
+        busy = (time.process_time() - self.cpu0) / self.threads  # excludes time spent paused (SIGSTOP)
         mix = ", ".join(f"{k} {v}" for k, v in sorted(_count(src for src, *_ in batch).items()))
+        buffered = sum(len(s) - p for x in bufs.values() for s, p in zip(x.seqs, x.plens))
         _log(f"batch of {len(batch)} ({mix}): {n_reply} reply tokens in {dt:.1f} s = {n_reply / max(dt, 1e-9):.1f} tok/s; "
-             f"this run {run['prompts']} prompts, {run['reply']} reply tokens, "
-             f"{run['reply'] / max(wall, 1e-9):.1f} tok/s wall, {run['reply'] / max(busy, 1e-9):.1f} tok/s busy; "
+             f"this run {self.prompts} prompts, {self.reply} reply tokens, "
+             f"{self.reply / max(wall, 1e-9):.1f} tok/s wall, {self.reply / max(busy, 1e-9):.1f} tok/s busy; "
              f"store {m['prompts_done'] + sum(len(x) for x in bufs.values())} prompts, "
-             f"{(m['reply_tokens'] + sum(len(s) - p for x in bufs.values() for s, p in zip(x.seqs, x.plens))) / 1e6:.3f} M reply tokens")
-        if len(bufs["train"]) >= cfg.shard_prompts or time.time() - state["last_flush"] >= cfg.flush_seconds:
-            flush(False)
+             f"{(m['reply_tokens'] + buffered) / 1e6:.3f} M reply tokens")
 
-    def on_term(signum, frame):
-        raise _Stop()
+    def flush(self, final: bool) -> None:
+        """Write the buffered sequences as shards (val only when final or big enough) and
+        record skipped prompts; the seconds since the last flush go to the first shard."""
+        cfg, store = self.cfg, self.store
+        now = time.time()
+        seconds, self.flushed_s = now - self.flushed_s, now
+        wrote = False
+        for split in ("train", "val"):
+            b = self.bufs[split]
+            if not b or (split == "val" and not final and len(b) < max(8, cfg.shard_prompts // 8)):
+                continue
+            n = cfg.shard_prompts
+            for a in range(0, len(b), n):
+                entry = store.append(split, b.seqs[a:a + n], b.plens[a:a + n], b.keys[a:a + n], b.hashes[a:a + n],
+                                     b.sources[a:a + n], self.settings,
+                                     b.topk[a:a + n] if cfg.topk_logits > 0 else None, skipped=list(self.skipped),
+                                     seconds=0.0 if wrote else seconds)
+                self.skipped.clear()
+                wrote = True
+                size = (store.dir / entry["file"]).stat().st_size
+                _log(f"wrote {entry['file']} ({split}: {entry['sequences']} sequences, {entry['tokens']} tokens, "
+                     f"{entry['reply_tokens']} reply tokens, {size / 1024:.1f} KiB, "
+                     f"{size / max(entry['tokens'], 1) * 1e6 / 2**20:.2f} MiB per million tokens)")
+            self.bufs[split] = _Buffer()
+        if not wrote and (self.skipped or final):
+            store.append("train", [], [], [], [], [], self.settings, skipped=list(self.skipped), seconds=seconds)
+            self.skipped.clear()
+        self.last_flush = now
 
-    old = None
-    if threading.current_thread() is threading.main_thread():
-        old = signal.signal(signal.SIGTERM, on_term)
-    pool_size = cfg.batch_size * 4
-    pool: list = []
-    _log(f"store {store.dir}: {m['prompts_done']} prompts, {len(m['shards'])} shards, "
-         f"{m['reply_tokens']} reply tokens; settings {settings}; batch {cfg.batch_size}, "
-         f"{threads} threads")
-    try:
-        pending, start = 0, m["prompts_done"]
-        for src, it in items:
-            if start + pending >= limit:
-                break
-            h = prompt_hash(it.prompt)
-            if h in done:
-                continue
-            done.add(h)
-            pending += 1
-            ids = backbone.encode_prompt(it.prompt, chat=True) if len(it.prompt) <= 16 * cfg.max_prompt_tokens else None
-            if ids is None or len(ids) > cfg.max_prompt_tokens:
-                skipped.append(h)
-                continue
-            pool.append((src, it, h, ids))
-            if len(pool) >= pool_size:
-                pool.sort(key=lambda x: len(x[3]))  # less padding per batch
-                while pool:
-                    process(pool[:cfg.batch_size])
-                    del pool[:cfg.batch_size]
-        pool.sort(key=lambda x: len(x[3]))
-        while pool:
-            process(pool[:cfg.batch_size])
-            del pool[:cfg.batch_size]
-        flush(True)
-    except (_Stop, KeyboardInterrupt):
-        _log("interrupted: writing the finished sequences")
-        flush(True)
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
-    wall = time.time() - run["t0"]
-    _log(f"done: {run['prompts']} prompts, {run['reply']} reply tokens in {wall:.0f} s "
-         f"({run['reply'] / max(wall, 1e-9):.1f} tok/s); store {m['prompts_done']} prompts, "
-         f"{len(m['shards'])} shards, {m['reply_tokens']} reply tokens")
-    return m
+
+def _on_term(signum, frame):
+    raise _Stop()
 
 
 def _count(xs) -> dict:
