@@ -235,3 +235,38 @@ def test_bf16_batched_rows_get_the_bits_of_each_request_alone():
             bb.forward(prompt, alone, need_logits=False)
             want = score(bb, alone, pasts[r], tree, toks[r]).logits[0]
             assert torch.equal(batched[r, :tree.size], want), (pasts, r)
+
+
+@needs_onednn
+@pytest.mark.parametrize("right_rank", [0, 1, 10_000])  # first paths, sibling paths, nothing accepted
+def test_bf16_speculation_is_byte_identical_to_bf16_plain_decoding(right_rank):
+    """End to end in bf16: a branching static tree (and the batched engine) gives plain
+    bf16 decoding's tokens, with drafts accepted on first paths, on sibling paths only, or
+    never."""
+    from tiny import OracleDrafter
+
+    from cadence.batch.engine import BatchEngine
+    from cadence.batch.narrow import NarrowConfig
+    from cadence.engine import Engine, GenerationConfig
+    from cadence.fast.model import FastBackbone
+    from cadence.schedulers import StaticScheduler
+    from tiny import tiny_backbone
+
+    plain = tiny_backbone("llama", hidden=768, layers=4)
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain)
+    cfg = GenerationConfig(max_new_tokens=40)
+    prompts = [bb.encode_prompt(p, chat=True) for p in ("Write a poem about the sea. " * 5, "Count to ten")]
+    refs = [Engine(bb).generate(ids, cfg).tokens for ids in prompts]
+    tree = StaticScheduler.from_preset("tree-8", 3)
+    for ids, ref in zip(prompts, refs):
+        drafter = OracleDrafter(ref, len(ids), 3, bb.vocab_size, right_rank=right_rank)
+        out = Engine(bb, drafter, tree).generate(ids, cfg)
+        assert out.tokens == ref
+        if right_rank < 10_000:
+            assert out.stats.steps < len(ref)  # drafts were accepted
+        be = BatchEngine(bb, drafter, tree, max_batch=2, narrow=NarrowConfig(mode="none"))
+        rid, toks = be.add(ids, cfg), []
+        while be.has_work():
+            toks += [t for ev in be.step() if ev.rid == rid for t in ev.tokens]
+        assert toks == ref
