@@ -85,3 +85,14 @@ def merge_candidates(copy: int | None, ranked: Sequence[int], width: int) -> lis
     if copy is None:
         return list(ranked[:width])
     return ([copy] + [t for t in ranked if t != copy])[:width]
+
+
+def copy_after(root: int, context: Sequence[int], copies: NgramIndex | None) -> int | None:
+    """The copy candidate right after ``root`` (the request's index brought up to context +
+    root first), or None without an index or a match. Example: context [5, 6, 7, 5],
+    root 6 -> 7 (5 6 was followed by 7)."""
+    if copies is None:
+        return None
+    seq = list(context) + [root]
+    copies.sync(seq)
+    return copies.lookup(seq[-copies.cfg.max_n:])

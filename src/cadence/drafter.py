@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
+from cadence.context_copy import CopyConfig, NgramIndex, copy_after, merge_candidates
 from cadence.sampling import SamplingParams, categorical, probs
 from cadence.trees import CompiledTree, compile_tree
 
@@ -74,7 +74,22 @@ class Drafter(Protocol):
         ...
 
 
-def _drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, device) -> Draft:
+def path_tail(tree: CompiledTree, tokens: list[int], node: int, context, need: int) -> list[int]:
+    """The last ``need`` known tokens ending at ``node``: context, root, then the path down
+    to ``node`` (what a context copy is looked up by). Example: context [1, 2], root 3,
+    node 2 = child of node 1 (token 4) with token 5, need 3 -> [3, 4, 5]."""
+    path = []
+    j = node
+    while j >= 0:
+        path.append(tokens[j])
+        j = tree.parents[j]
+    path.reverse()
+    if len(path) < need:
+        path = list(context[-(need - len(path)):]) + path
+    return path[-need:]
+
+
+def drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, device) -> Draft:
     """The draft over the nodes that got a candidate (and whose ancestors all did).
 
     Example: chain (0,), (0,0), (0,0,0) named "c" with no candidate for node 2 -> nodes 2
@@ -195,7 +210,7 @@ class HeadDrafter:
                 cands, q = self._candidates(logits, vocab_ids, nodes, widths, sampling, generator, q, n)
             if copying:
                 for j, node in enumerate(nodes):
-                    tail = self._tail(tree, tokens, node, context, copies.cfg.max_n)
+                    tail = path_tail(tree, tokens, node, context, copies.cfg.max_n)
                     cands[j] = merge_candidates(copies.lookup(tail), cands[j], widths[j])
             for j, node in enumerate(nodes):
                 for child in tree.children[node]:
@@ -204,7 +219,7 @@ class HeadDrafter:
                         tokens[child] = cands[j][r]
                     else:
                         filled[child] = False
-        return _drop_unfilled(tree, tokens, filled, q, device)
+        return drop_unfilled(tree, tokens, filled, q, device)
 
     @torch.inference_mode()
     def shadow(self, root: int, hidden: torch.Tensor, context, copies: NgramIndex | None = None) -> int:
@@ -219,11 +234,7 @@ class HeadDrafter:
 
     def shadow_copy(self, root: int, context, copies: NgramIndex | None) -> int | None:
         """The context copy's depth-1 candidate after ``root`` (no head call), or None."""
-        if copies is None:
-            return None
-        seq = list(context) + [root]
-        copies.sync(seq)
-        return copies.lookup(seq[-copies.cfg.max_n:])
+        return copy_after(root, context, copies)
 
     @torch.inference_mode()
     def shadow_heads(self, hidden: torch.Tensor, roots: list[int]) -> list[int]:
@@ -253,16 +264,3 @@ class HeadDrafter:
         if vocab_ids is not None:
             cand = vocab_ids[cand]
         return cand.tolist(), q
-
-    @staticmethod
-    def _tail(tree, tokens: list[int], node: int, context, need: int) -> list[int]:
-        """The last ``max_n`` known tokens ending at ``node``: context, root, then the path."""
-        path = []
-        j = node
-        while j >= 0:
-            path.append(tokens[j])
-            j = tree.parents[j]
-        path.reverse()
-        if len(path) < need:
-            path = list(context[-(need - len(path)):]) + path
-        return path[-need:]

@@ -13,6 +13,7 @@ from enum import Enum
 from pathlib import Path
 
 from cadence.context_copy import CopyConfig
+from cadence.copy_drafter import CopyDrafter
 from cadence.drafter import HeadDrafter
 from cadence.engine import Engine
 from cadence.errors import CadenceError
@@ -21,6 +22,8 @@ from cadence.latency import LatencyCurve, load_or_measure
 from cadence.sampling import SamplingParams
 from cadence.schedulers import registry
 from cadence.schedulers.registry import SchedulerContext
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees import chain, compile_tree
 from cadence.tree_policy import TreePolicy, draft_seconds
 
 SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads"
@@ -34,6 +37,7 @@ class Method(str, Enum):
     MTP = "mtp"
     EAGLE = "eagle"  # one decoder layer, feature-level autoregression (attention over the context)
     MTP_ATTN = "mtp-attn"  # chained MTP modules with attention (DeepSeek-V3 / MiMo)
+    NGRAM = "ngram"  # the context copy alone (prompt lookup): any model, no heads (``copy_drafter``)
 
     def __str__(self) -> str:
         return self.value
@@ -43,7 +47,8 @@ class Method(str, Enum):
 class MethodSpec:
     """How to decode; CLI flags derive from these fields."""
 
-    method: Method = field(default=Method.HYDRA, metadata={"help": "vanilla | medusa | hydra | mtp | eagle | mtp-attn"})
+    method: Method = field(default=Method.HYDRA, metadata={
+        "help": "vanilla | medusa | hydra | mtp | eagle | mtp-attn | ngram (context copy alone: any model, no heads)"})
     heads: str = field(default="default", metadata={"help": "default (shipped for the model) | random | path to a heads directory"})
     tree: str = field(default="auto", metadata={"help": "auto (the tree of highest expected tokens/s from the heads' calibrated acceptance and this machine's measured verify latency; may be the root alone), auto-N (N nodes grown from the calibrated acceptance), or a preset: root, chain, chain-D, tree-N"})
     num_heads: int = field(default=3, metadata={"help": "K for --heads random"})
@@ -96,6 +101,8 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     machine and cached)."""
     if spec.method is Method.VANILLA:
         return Engine(backbone)
+    if spec.method is Method.NGRAM:
+        return _ngram_engine(backbone, spec)
     heads = resolve_heads(backbone, spec)
     drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec))
     policy = TreePolicy(spec.tree, heads, drafter, chains_only=getattr(backbone, "chains_only", False))
@@ -108,6 +115,29 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     engine = Engine(backbone, drafter, sched.build(SchedulerContext(backbone, heads, drafter, policy, spec)))
     engine.allow_unverified = sched.lossy  # choosing a lossy scheduler is the opt-in
     engine.tree_policy, engine.scheduler_name = policy, name
+    return engine
+
+
+def _ngram_engine(backbone, spec: MethodSpec) -> Engine:
+    """The context copy alone (``copy_drafter.CopyDrafter``) on a static chain: ``--tree auto``
+    or ``chain`` = ``--copy-depth`` copies, ``chain-D`` = D. A step whose root has no copy
+    verifies the root alone (plain decoding), so nothing is paid where nothing repeats."""
+    if spec.scheduler not in ("auto", "static"):
+        raise CadenceError(f"ngram drafts a static chain of copies; --scheduler {spec.scheduler} needs heads")
+    if not spec.copy:
+        raise CadenceError("ngram is the context copy: with --no-copy it has nothing to draft")
+    tree = spec.tree
+    if tree in ("auto", "chain"):
+        depth = spec.copy_depth
+    elif tree.startswith("chain-") and tree[len("chain-"):].isdigit() and int(tree[len("chain-"):]) >= 1:
+        depth = int(tree[len("chain-"):])
+    else:
+        raise CadenceError(f"ngram drafts chains: --tree auto | chain | chain-D, not {tree!r}")
+    if depth < 1:
+        raise CadenceError(f"--copy-depth must be at least 1 for ngram, got {depth}")
+    engine = Engine(backbone, CopyDrafter(CopyConfig(), depth),
+                    StaticScheduler(compile_tree(chain(depth), name=f"ngram-{depth}")))
+    engine.tree_policy, engine.scheduler_name = None, "static"
     return engine
 
 

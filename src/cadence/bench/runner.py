@@ -127,6 +127,11 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
             raise CadenceError("vanilla takes no tree, scheduler or option")
         return MethodEntry("vanilla", "engine", MethodSpec(method=Method.VANILLA))
     heads = cfg.heads
+    if name == "ngram":  # no heads: the context copy alone
+        if flag:
+            raise CadenceError("ngram is the context copy: /nocopy leaves nothing to draft")
+        spec = MethodSpec(method=Method.NGRAM, tree=tree or "auto", scheduler=scheduler or "auto")
+        return MethodEntry((f"ngram:{tree}" if tree else "ngram") + (f"+{scheduler}" if scheduler else ""), "engine", spec)
     if cfg.heads_dir:
         sub = Path(cfg.heads_dir) / name
         if not (sub / "config.json").is_file():

@@ -1,0 +1,65 @@
+"""Context copy as a drafter of its own: prompt-lookup speculation for any model, no heads.
+
+``HeadDrafter`` ranks the context copy (``context_copy``) ahead of its heads' candidates;
+``CopyDrafter`` drafts with the copy alone, so a model without trained heads still gets
+lossless speculation where its replies repeat the prompt or themselves (the ``ngram``
+method; transformers calls it prompt lookup, vLLM the n-gram proposer). Each tree node's
+only candidate is the token that followed the same 3- (else 2-) gram earlier in the
+request; a node without one is dropped with its subtree, so a step with no copy at all is
+plain decoding (the root alone) and costs nothing extra.
+
+Knows: the request's token ids (through the ``NgramIndex`` the engine keeps per request).
+Does not know: heads, models, verification. Greedy only: a copy has no distribution q, so
+at T > 0 it drafts nothing (``max_depth`` 0) and the engine decodes plainly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cadence.context_copy import CopyConfig, NgramIndex, copy_after
+from cadence.drafter import Draft, drop_unfilled, path_tail
+from cadence.sampling import SamplingParams
+from cadence.trees import CompiledTree
+
+
+class CopyDrafter:
+    num_heads = 0  # no heads: every level is filled by copies
+
+    def __init__(self, copy: CopyConfig | None = None, depth: int = 8):
+        if depth < 1:
+            raise ValueError(f"copy depth must be at least 1, got {depth}")
+        self.copy = copy or CopyConfig()
+        self.copy_depth = depth
+
+    def new_index(self) -> NgramIndex:
+        return NgramIndex(self.copy)
+
+    def max_depth(self, sampling: SamplingParams) -> int:
+        return self.copy_depth if sampling.greedy else 0
+
+    def shadow_copy(self, root: int, context, copies: NgramIndex | None) -> int | None:
+        """The copy after ``root``, without drafting a tree (schedulers' shadow drafts)."""
+        return copy_after(root, context, copies)
+
+    @torch.inference_mode()
+    def draft(self, tree: CompiledTree, root: int, hidden: torch.Tensor, context, sampling: SamplingParams,
+              generator, copies: NgramIndex | None = None, state=None) -> Draft:
+        """Rank-0 children get the copy after their parent's path; every other node (and any
+        node without a copy) is dropped. Example: context ... 5 6 7 ... 5 6, root 7, chain of
+        3 -> nodes 1..3 carry what followed 6 7, 7 x, x y earlier, as far as copies exist."""
+        if tree.max_depth > self.max_depth(sampling):
+            raise ValueError(f"tree depth {tree.max_depth} > {self.max_depth(sampling)} this drafter can fill")
+        tokens = [root] + [0] * (tree.size - 1)
+        filled = [True] * tree.size
+        if copies is None:
+            copies = self.new_index()
+        copies.sync(list(context) + [root])
+        for node in range(1, tree.size):  # parents come before children in node order
+            parent = tree.parents[node]
+            tok = None
+            if filled[parent] and tree.ranks[node] == 0:
+                tok = copies.lookup(path_tail(tree, tokens, parent, context, self.copy.max_n))
+            filled[node] = tok is not None
+            tokens[node] = tok if tok is not None else 0
+        return drop_unfilled(tree, tokens, filled, None, hidden.device)
