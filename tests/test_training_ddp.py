@@ -23,6 +23,8 @@ res = train(cfg)
 rank = PartialState().process_index
 save_file({k: v.detach().contiguous() for k, v in res.heads.state_dict().items()},
           f"{cfg.out}/rank{rank}.safetensors")
+from cadence.training.command import _leave_process_group
+_leave_process_group()  # as `cadence train` does: no gloo threads alive at exit
 '''
 
 

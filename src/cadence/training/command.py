@@ -69,6 +69,16 @@ def run_merge_command(args) -> int:
     return 0
 
 
+def _leave_process_group() -> None:
+    """End a multi-process run cleanly: every rank waits, then the process group is torn down
+    before the interpreter exits (gloo's threads alive at exit can abort a rank)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run_train_command(args) -> int:
     from cadence.training.trainer import TrainConfig, train
 
@@ -79,6 +89,7 @@ def run_train_command(args) -> int:
         main = PartialState().is_main_process
     except Exception:  # pragma: no cover
         main = True
+    _leave_process_group()
     if main:
         s = result.summary
         if result.status == "cached":
