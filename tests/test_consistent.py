@@ -270,3 +270,14 @@ def test_bf16_speculation_is_byte_identical_to_bf16_plain_decoding(right_rank):
         while be.has_work():
             toks += [t for ev in be.step() if ev.rid == rid for t in ev.tokens]
         assert toks == ref
+
+
+def test_pad_rows_repeats_the_last_row_and_hides_the_extra_ones():
+    ids, pos = torch.tensor([[7, 8]]), torch.tensor([[30, 31]])
+    pids, ppos, mask = consistent.pad_rows(ids, pos, None)
+    assert pids.tolist() == [[7, 8, 8, 8]] and ppos.tolist() == [[30, 31, 31, 31]]
+    assert mask.tolist() == [[True, False, False, False], [True, True, False, False],
+                             [True, True, False, False], [True, True, False, False]]
+    tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+    _, _, mask = consistent.pad_rows(torch.tensor([[1, 2, 3]]), torch.tensor([[5, 6, 6]]), tree)
+    assert mask[3].tolist() == [True, False, True, False]  # the extra row sees what row 2 sees

@@ -295,6 +295,14 @@ class FastBackbone(Backbone):
     def hidden_states(self, input_ids, cache, position_ids, tree_mask, pad=None) -> torch.Tensor:
         b, n = input_ids.shape
         past = cache.length() if cache is not None else 0
+        real = n  # rows asked for; a row-consistent forward pads fewer to MIN_QUERIES up front
+        if (self.consistent and cache is not None and (past > 0 or tree_mask is not None)
+                and n < consistent.MIN_QUERIES):
+            if position_ids is None:
+                position_ids = torch.arange(past, past + n, device=self.device).expand(b, n)
+            input_ids, position_ids, tree_mask = consistent.pad_rows(
+                input_ids, position_ids.to(self.device).expand(b, n), tree_mask)
+            n = input_ids.shape[1]
         if cache is not None:
             if cache.k.shape[1] != b:
                 raise CadenceError(f"cache holds batch {cache.k.shape[1]}, forward got batch {b}")
@@ -327,14 +335,14 @@ class FastBackbone(Backbone):
                 return cache.k[i, :, :, :keys], cache.v[i, :, :, :keys]
         attention = self._attention(store, mask, causal, groups)
         if steady and tree_mask is not None:
-            ancestors = [row.nonzero().flatten().tolist() for row in tree_mask.to(torch.bool)]
+            ancestors = [row.nonzero().flatten().tolist() for row in tree_mask[:real].to(torch.bool)]
             if not consistent.is_laid_out(ancestors):  # a branching tree: paths in decoding's slots
                 paths = consistent.PathAttention(cache.k, cache.v, past, ancestors, cache.max_positions)
                 attention = self._path_attention(paths)  # same positions, so the keys reserved above
         x = self._layers_forward(input_ids, cos, sin, attention)
         if cache is not None:
-            cache.advance(n)
-        return x
+            cache.advance(real)
+        return x[:, :real]
 
     def _attention(self, store, mask, causal: bool, groups=None):
         """``attend(layer, q, k, v)`` for ``_layers_forward``: ``store(layer, k, v)`` (k, v of
