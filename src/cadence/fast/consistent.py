@@ -42,6 +42,8 @@ Does not know models or caches beyond the key/value buffers it is handed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -138,6 +140,14 @@ def is_laid_out(ancestors: list[list[int]]) -> bool:
     return all(anc == list(range(len(anc))) for anc in ancestors)
 
 
+class _Part(NamedTuple):
+    path: torch.Tensor  # (m,) node ids root..leaf
+    rows: torch.Tensor  # nodes attended on this path
+    mask: torch.Tensor  # (len(rows), keys) bool over the cache slots
+    groups: list  # ``row_groups`` of the rows (indices into ``rows``)
+    in_place: bool  # the path already sits in node order after the context (no copy)
+
+
 class PathAttention:
     """Tree attention in which every node reduces over its keys in plain decoding's order.
 
@@ -175,10 +185,10 @@ class PathAttention:
             for j, d in enumerate(depths):
                 mask[j, past:past + d + 1] = True
             in_place = path == list(range(len(path)))  # already where node order puts it
-            self.parts.append((torch.tensor(path, device=dev), torch.tensor(rows, device=dev), mask, groups,
-                               in_place))
-        self.parts.sort(key=lambda part: not part[4])  # in-place paths first, before any copy
-        self.keys = max(part[3][-1][1] for part in self.parts)
+            self.parts.append(_Part(torch.tensor(path, device=dev), torch.tensor(rows, device=dev), mask, groups,
+                                    in_place))
+        self.parts.sort(key=lambda part: not part.in_place)  # in-place paths first, before any copy
+        self.copies = not all(part.in_place for part in self.parts)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
         """q: (b, H, n, d); k, v: (b, KV, n, d) of the tree's nodes -> (b, H, n, d). The
@@ -186,17 +196,18 @@ class PathAttention:
         K, V, past, n = self.k_cache[layer], self.v_cache[layer], self.past, k.shape[2]
         K[:, :, past:past + n] = k
         V[:, :, past:past + n] = v
-        if len(self.parts) == 1 and self.parts[0][4] and self.size == n:  # a chain: one call, no copies
-            return attend_groups(q, K, V, self.parts[0][2], gqa, self.parts[0][3])
+        if len(self.parts) == 1 and not self.copies and self.size == n:  # a chain: one call
+            return attend_groups(q, K, V, self.parts[0].mask, gqa, self.parts[0].groups)
         out = q.new_zeros(q.shape) if self.size < n else q.new_empty(q.shape)
-        for path, rows, mask, groups, in_place in self.parts:
-            if not in_place:
-                m = path.numel()
-                K[:, :, past:past + m] = k.index_select(2, path)
-                V[:, :, past:past + m] = v.index_select(2, path)
-            out[:, :, rows] = attend_groups(q.index_select(2, rows), K, V, mask, gqa, groups)
-        K[:, :, past:past + n] = k
-        V[:, :, past:past + n] = v
+        for part in self.parts:
+            if not part.in_place:
+                m = part.path.numel()
+                K[:, :, past:past + m] = k.index_select(2, part.path)
+                V[:, :, past:past + m] = v.index_select(2, part.path)
+            out[:, :, part.rows] = attend_groups(q.index_select(2, part.rows), K, V, part.mask, gqa, part.groups)
+        if self.copies:  # node order again, for compaction
+            K[:, :, past:past + n] = k
+            V[:, :, past:past + n] = v
         return out
 
 

@@ -215,9 +215,10 @@ class FastBackbone(Backbone):
                 cache.v[i][rows, :, cols] = v.transpose(1, 2)
             return cache.k[i, block, :, :end], cache.v[i, block, :, :end]
 
-        attention = self._attention(store, mask, causal)
         if self.consistent and mask is not None:
-            attention = self._rows_consistent(cache, first, starts, position_ids, mask, store)
+            attention = self._rows_consistent(cache, first, starts, position_ids, mask)
+        else:
+            attention = self._attention(store, mask, causal)
         with torch.autocast(dev.type, enabled=False):
             hidden = self._layers_forward(input_ids, cos, sin, attention)
             for j, start in enumerate(starts):
@@ -225,10 +226,11 @@ class FastBackbone(Backbone):
             return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
 
     def _rows_consistent(self, cache: BatchKVCache, first: int, starts: list[int], position_ids: torch.Tensor,
-                         mask: torch.Tensor, store):
+                         mask: torch.Tensor):
         """``attend`` for a row-consistent batched forward: each row attends alone, its paths
         in plain decoding's slots (``consistent.PathAttention`` on its own cache row), so a
-        node gets the bits a one-token forward of that request alone gives it. mask: (B, 1,
+        node gets the bits a one-token forward of that request alone gives it; each row's
+        ``PathAttention`` also writes that row's new entries at [start, start + n). mask: (B, 1,
         n, L) as ``forward_rows`` takes it; padding nodes (they see the committed entries and
         themselves, not the root) are not attended (output 0, never read)."""
         n = mask.shape[2]
@@ -245,7 +247,6 @@ class FastBackbone(Backbone):
         gqa = self.spec.heads != self.spec.kv_heads
 
         def attend(i, q, k, v):
-            store(i, k, v)
             out = q.new_empty(q.shape)
             for r, paths in enumerate(rows):
                 out[r:r + 1] = paths(i, q[r:r + 1], k[r:r + 1], v[r:r + 1], gqa)
