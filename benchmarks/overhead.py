@@ -65,9 +65,9 @@ def engine_vs_generate(bb, max_new, repeats):
             "vanilla_over_hf": tps["vanilla"] / tps["hf"], "tokens": {k: v[0] for k, v in tot.items()}}
 
 
-def forward_costs(bb, context=200, sizes=(1, 4, 16, 32, 64), reps=9):
+def forward_costs(bb, context=200, sizes=(1, 4, 16, 32, 64), reps=9, chains=None):
     """The verify-latency probe of ``cadence.latency`` (the forward the engine runs)."""
-    curve = measure(bb, sizes, context=context, rounds=reps)
+    curve = measure(bb, sizes, context=context, rounds=reps, chains=chains)
     base = curve(sizes[0])
     return {str(n): {"ms": round(curve(n) * 1000, 2), "relative": round(curve(n) / base, 2)} for n in sizes}
 
@@ -81,13 +81,18 @@ def main():
     ap.add_argument("--skip-generate", action="store_true", help="only the forward-cost curve")
     ap.add_argument("--quant", default="none", help="none | int8 (weight-only)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="tree sizes to time")
+    ap.add_argument("--shape", default="auto", choices=["auto", "chain", "bushy"],
+                    help="probe trees: auto = what the backbone's trees are (chains where chains_only)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
     args = ap.parse_args()
     bb = load_backbone(args.model, args.dtype, quant=args.quant)
     info = machine_info()
     speed = None if args.skip_generate else engine_vs_generate(bb, args.max_new_tokens, args.repeats)
-    costs = forward_costs(bb, sizes=tuple(args.sizes))
-    shape = "chains" if getattr(bb, "chains_only", False) else "bushy trees"
+    chains = None if args.shape == "auto" else args.shape == "chain"
+    costs = forward_costs(bb, sizes=tuple(args.sizes), chains=chains)
+    if chains is None:
+        chains = getattr(bb, "chains_only", False)
+    shape = "chains" if chains else "bushy trees"
     result = {"machine": info, "model": bb.name, "dtype": str(bb.dtype), "quant": args.quant, "tree_shape": shape,
               "max_new_tokens": args.max_new_tokens,
               "prompts": len(PROMPTS), "repeats": args.repeats, "engine_vs_generate": speed,

@@ -88,8 +88,10 @@ def _probe_tree(n: int, chains_only: bool = False):
 
 
 @torch.inference_mode()
-def measure(backbone, sizes=SIZES, context: int = 128, rounds: int = 9) -> LatencyCurve:
-    """Seconds of one scored tree per size: the lower quartile over ``rounds`` interleaved
+def measure(backbone, sizes=SIZES, context: int = 128, rounds: int = 9,
+            chains: bool | None = None) -> LatencyCurve:
+    """Seconds of one scored tree per size (``chains``: chains or bushy trees; default the
+    backbone's ``chains_only``): the lower quartile over ``rounds`` interleaved
     passes (plus one warm-up pass), on a cache holding ``context`` tokens. On a shared,
     noisy machine the delays are one-sided (a step is never faster than its work), so
     the lower quartile is steadier than the median: here the median of 5 rounds put
@@ -100,7 +102,8 @@ def measure(backbone, sizes=SIZES, context: int = 128, rounds: int = 9) -> Laten
     ctx = torch.randint(0, backbone.vocab_size, (1, context), generator=gen).to(dev)
     cache = backbone.new_cache()
     backbone.forward(ctx, cache, need_logits=False)
-    trees = [_probe_tree(n, getattr(backbone, "chains_only", False)) for n in sizes]
+    chains = getattr(backbone, "chains_only", False) if chains is None else chains
+    trees = [_probe_tree(n, chains) for n in sizes]
     samples: list[list[float]] = [[] for _ in sizes]
     for r in range(rounds + 1):
         for i, tree in enumerate(trees):
