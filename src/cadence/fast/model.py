@@ -297,6 +297,7 @@ class FastBackbone(Backbone):
         b, n = input_ids.shape
         past = cache.length() if cache is not None else 0
         real = n  # rows asked for; a row-consistent forward pads fewer to MIN_QUERIES up front
+        given_tree = tree_mask is not None  # no mask = a chain: no layout check, padded or not
         if (self.consistent and cache is not None and (past > 0 or tree_mask is not None)
                 and n < consistent.MIN_QUERIES):
             if position_ids is None:
@@ -335,7 +336,7 @@ class FastBackbone(Backbone):
                 cache.v[i, :, :, past:past + n] = v
                 return cache.k[i, :, :, :keys], cache.v[i, :, :, :keys]
         attention = self._attention(store, mask, causal, groups)
-        if steady and tree_mask is not None:
+        if steady and given_tree:
             ancestors = [row.nonzero().flatten().tolist() for row in tree_mask[:real].to(torch.bool)]
             if not consistent.is_laid_out(ancestors):  # a branching tree: paths in decoding's slots
                 paths = consistent.PathAttention(cache.k, cache.v, past, ancestors, cache.max_positions)
