@@ -256,3 +256,37 @@ def test_prompt_sources_mix_and_exclude_evaluation_prompts():
     assert all("```python" in it.prompt for it in funcs)
     assert len(S.templated_writing_items()) == len(S._FORMS) * len(S._TOPICS)
     assert all(not it.key.startswith("gsm8k-test") for _, it in first)
+
+
+def test_fast_backend_distils_what_plain_decoding_gives(env, tmp_path):
+    """``--backend fast``: continuous batching over 2 rows for 5 prompts; every reply equals the
+    request decoded alone (vanilla engine) and transformers' generate (fp32 greedy)."""
+    from cadence.backbone import load_backbone
+    from cadence.engine import GenerationConfig
+    from cadence.methods import Method, MethodSpec, make_engine
+
+    fast = load_backbone(str(env["model"]), "float32", "cpu", backend="fast")
+    items = _items(5)
+    m = D.run_distill(_cfg(tmp_path / "fast", max_new_tokens=12, batch_size=2), fast, items)
+    assert {s["settings"]["decoder"] for s in m["shards"]} == {"cadence-batched"}
+    ref = D.run_distill(_cfg(tmp_path / "hf", max_new_tokens=12, batch_size=2), env["backbone"], items)
+    assert {s["settings"]["decoder"] for s in ref["shards"]} == {"transformers-generate"}
+
+    def replies(out: Path) -> dict[str, list[int]]:
+        got = {}
+        for s in json.loads((out / "manifest.json").read_text())["shards"]:
+            shard = read_store_shard(out / s["file"], with_meta=True)
+            for (seq, plen), key in zip(D.iter_sequences(shard), shard["meta"]["keys"]):
+                got[key] = seq[plen:].tolist()
+        return got
+
+    got, hf = replies(tmp_path / "fast"), replies(tmp_path / "hf")
+    vanilla = make_engine(fast, MethodSpec(method=Method.VANILLA))
+    for _, it in items:
+        alone = vanilla.generate(fast.encode_prompt(it.prompt, chat=True), GenerationConfig(max_new_tokens=12)).tokens
+        assert got[it.key] == alone == hf[it.key]
+
+
+def test_fast_backend_refuses_sampling(tmp_path):
+    with pytest.raises(CadenceError, match="greedy"):
+        D.run_distill(_cfg(tmp_path / "s", backend="fast", temperature=0.7), object(), [])

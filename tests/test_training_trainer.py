@@ -256,3 +256,30 @@ def test_draft_vocab_kl_matches_the_renormalised_teacher(env):
         want = (logp.exp() * (logp - logq)).sum(-1).mean()
         assert abs(means[k - 1] - float(want)) < 1e-4 * max(1.0, float(want))
     assert run.finish(run.loop()).summary["heldout"] is not None
+
+
+def test_init_from_continues_saved_heads_with_their_draft_vocabulary(env):
+    """``--init-from``: a run starts from saved heads (weights and draft vocabulary), not from
+    fresh ones; a wrong kind or an explicit --draft-vocab is refused."""
+    from cadence.heads import save_heads
+
+    first = train(base_config(env["data"], env["root"] / "init-a", env["model"], steps=4, draft_vocab=40),
+                  backbone=env["backbone"])
+    start = save_heads(first.heads, env["root"] / "init-a" / "saved")
+    before = {k: v.clone() for k, v in first.heads.state_dict().items()}
+    # a learning rate far too small to move fp32 weights: the run ends where it started
+    res = train(base_config(env["data"], env["root"] / "init-b", env["model"], steps=1, warmup_steps=0, lr=1e-30,
+                            init_from=str(start)), backbone=env["backbone"])
+    after = res.heads.state_dict()
+    assert torch.equal(after["draft_vocab"], before["draft_vocab"]) and len(after["draft_vocab"]) == 40
+    assert _steps(env["root"] / "init-b", "eval")[:1] == [0]  # the started-from heads, evaluated first
+    assert all(torch.allclose(after[k], before[k], atol=1e-6) for k in before)
+    fresh = train(base_config(env["data"], env["root"] / "init-c", env["model"], steps=1, warmup_steps=0, lr=1e-30,
+                              draft_vocab=40), backbone=env["backbone"]).heads.state_dict()
+    assert not all(torch.allclose(fresh[k], before[k], atol=1e-6) for k in before if k != "draft_vocab")
+    with pytest.raises(CadenceError, match="holds 3 hydra heads"):
+        train(base_config(env["data"], env["root"] / "init-d", env["model"], kind="medusa", init_from=str(start)),
+              backbone=env["backbone"])
+    with pytest.raises(CadenceError, match="keeps the draft vocabulary"):
+        train(base_config(env["data"], env["root"] / "init-e", env["model"], draft_vocab=40, init_from=str(start)),
+              backbone=env["backbone"])

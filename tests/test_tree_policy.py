@@ -149,3 +149,29 @@ def test_auto_dtype_takes_bf16_only_where_it_is_lossless(monkeypatch):
     monkeypatch.delenv("CADENCE_CPU_AUTO_DTYPE")
     monkeypatch.setattr(cpu, "native_bf16", lambda: False)  # an AVX2-only CPU
     assert not lossless_bf16(config, cpu_dev, "auto")
+
+
+def test_isa_limits_turn_an_avx512_bf16_cpu_into_an_avx2_one(monkeypatch):
+    """``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` narrow what the kernels may use; the
+    precision choice and the reports follow them, not the raw /proc/cpuinfo flags."""
+    import torch
+
+    import cadence.fast.cpu as cpu
+    from cadence.machine import machine_line
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile"}))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(var, raising=False)
+    assert cpu.native_bf16() and cpu.has_amx() and cpu.isa_note() is None
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert cpu.native_bf16() and not cpu.has_amx()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not cpu.native_bf16() and not cpu.has_amx()
+    assert "oneDNN AVX2" in cpu.isa_note()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not cpu.native_bf16() and "torch AVX2" in cpu.isa_note()
+    info = {"cpu": "Some CPU", "cores": 2, "ram_gib": 1.0, "gpu": None, "torch": "t", "transformers": "x",
+            "commit": "c", "isa_limit": cpu.isa_note()}
+    assert "Some CPU (instruction set limited to torch AVX2" in machine_line(info)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from cadence.atomic import atomic_write_json
-from cadence.fast.cpu import cpu_flags
+from cadence.fast.cpu import cpu_flags, isa_limits
 from cadence.machine import cpu_model
 from cadence.scorer import score
 from cadence.trees import chain, compile_tree, grow_tree, prior_acceptance
@@ -67,7 +67,7 @@ def machine_key(backbone) -> str:
     """A file-name-safe key for the machine + backbone configuration a curve holds for."""
     dev = backbone.device
     where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-             else f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}")
+             else f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}|{sorted(isa_limits().items())}")
     parts = [where, str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, str(dev),
              str(backbone.dtype), type(backbone).__name__, backbone.name,
              str(backbone.hidden_size), str(backbone.vocab_size), str(backbone.config.num_hidden_layers)]

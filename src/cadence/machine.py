@@ -46,11 +46,18 @@ def machine_info() -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "ram_gib": ram_gib(), "gpu": gpu,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "platform": platform.platform(), "commit": git_commit()}
+            "platform": platform.platform(), "commit": git_commit(), "isa_limit": _isa_note()}
+
+
+def _isa_note() -> str | None:
+    from cadence.fast.cpu import isa_note
+
+    return isa_note()
 
 
 def machine_line(info: dict | None = None) -> str:
     info = info or machine_info()
     acc = info["gpu"] or "no GPU"
-    return (f"{info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB RAM, {acc}; torch {info['torch']}, "
+    limit = f" ({info['isa_limit']})" if info.get("isa_limit") else ""
+    return (f"{info['cpu']}{limit}, {info['cores']} cores, {info['ram_gib']} GiB RAM, {acc}; torch {info['torch']}, "
             f"transformers {info['transformers']}, commit {info['commit']}")

@@ -62,7 +62,8 @@ class DistillConfig:
     max_prompt_tokens: int = field(default=256, metadata={
         "help": "prompts longer than this are skipped (and remembered as skipped)"})
     max_new_tokens: int = field(default=256, metadata={"help": "reply length cap"})
-    batch_size: int = field(default=64, metadata={"help": "prompts per generate call (left padding)"})
+    batch_size: int = field(default=64, metadata={
+        "help": "rows decoded at once (transformers: prompts per left-padded generate call)"})
     shard_prompts: int = field(default=256, metadata={"help": "most sequences per shard"})
     flush_seconds: float = field(default=240.0, metadata={
         "help": "write a shard at least this often (seconds), so an interruption loses little"})
@@ -77,6 +78,10 @@ class DistillConfig:
     dtype: str = field(default="auto", metadata={
         "help": "backbone dtype (bfloat16 is several times faster on CPUs with AVX-512 BF16 / AMX)"})
     device: str = field(default="auto", metadata={"help": "backbone device"})
+    backend: str = field(default="auto", metadata={
+        "help": "auto: cadence's batched fast path where the model supports it (continuous batching, replies "
+                "identical to what `cadence generate` decodes alone), else transformers' generate; "
+                "fast | transformers force one"})
 
 
 def is_val(key: str) -> bool:
@@ -139,6 +144,24 @@ def iter_sequences(data: dict) -> Iterator[tuple[torch.Tensor, int]]:
     off = data["offsets"].tolist()
     for i, plen in enumerate(data["prompt_lens"].tolist()):
         yield data["tokens"][off[i]:off[i + 1]].long(), plen
+
+
+def batched_replies(backbone, prompts: list[list[int]], cfg: DistillConfig) -> list[list[int]]:
+    """Greedy replies (EOS included) through ``BatchEngine``: continuous batching over at most
+    ``cfg.batch_size`` rows, each row decoding exactly as it would alone (vanilla, no heads)."""
+    from cadence.batch.engine import BatchEngine
+    from cadence.engine import GenerationConfig
+
+    engine = BatchEngine(backbone, max_batch=cfg.batch_size)
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
+    rids = [engine.add(p, gen) for p in prompts]
+    out: dict[int, list[int]] = {r: [] for r in rids}
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.finish_reason == "error":
+                raise CadenceError(f"distill: a batched request failed: {ev.error}")
+            out[ev.rid] += ev.tokens
+    return [out[r] for r in rids]
 
 
 @torch.inference_mode()
@@ -204,7 +227,8 @@ def _settings(backbone, cfg: DistillConfig) -> dict:
     dtype = str(getattr(backbone.model, "dtype", "unknown")).replace("torch.", "")
     return {"model": backbone.name, "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature, "mode": cfg.mode, "topk_logits": cfg.topk_logits,
-            "max_prompt_tokens": cfg.max_prompt_tokens}
+            "max_prompt_tokens": cfg.max_prompt_tokens,
+            "decoder": "cadence-batched" if _uses_engine(backbone, cfg) else "transformers-generate"}
 
 
 def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
@@ -225,6 +249,11 @@ def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
         raise CadenceError(f"unknown distill mode {cfg.mode!r}")
     if cfg.batch_size < 1 or cfg.shard_prompts < 1:
         raise CadenceError("--batch-size and --shard-prompts must be at least 1")
+    if cfg.backend not in ("auto", "fast", "transformers"):
+        raise CadenceError(f"unknown --backend {cfg.backend!r}; choose auto, fast or transformers")
+    if cfg.backend == "fast" and (cfg.temperature > 0 or cfg.topk_logits > 0):
+        raise CadenceError("--backend fast distils greedy replies only; use --backend transformers "
+                           "for --temperature or --topk-logits")
     out = Path(cfg.out)
     manifest = load_manifest(out)
     if manifest is not None and manifest.get("format") is None:
@@ -232,7 +261,7 @@ def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
                            "train and calibrate still read it, but distill into a new --out")
     if backbone is None:
         from cadence.backbone import load_backbone
-        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, backend="transformers")
+        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, backend=_backend(cfg))
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     store = Store(out, backbone.name, backbone.vocab_size, manifest)
@@ -240,6 +269,19 @@ def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
         return _run(cfg, backbone, store, items if items is not None else mixed_items(cfg.sources, cfg.seed))
     finally:
         store.close()
+
+
+def _backend(cfg: DistillConfig) -> str:
+    """The backend to load: the fast path (``auto`` falls back to transformers for models it
+    does not support) unless sampling or top-k logits need transformers' generate."""
+    if cfg.backend == "auto" and (cfg.temperature > 0 or cfg.topk_logits > 0):
+        return "transformers"
+    return cfg.backend
+
+
+def _uses_engine(backbone, cfg: DistillConfig) -> bool:
+    return (cfg.mode == "generate" and cfg.temperature == 0 and cfg.topk_logits == 0
+            and cfg.backend != "transformers" and hasattr(backbone, "forward_rows"))
 
 
 def _run(cfg: DistillConfig, backbone, store, items) -> dict:
@@ -260,6 +302,7 @@ class _DistillRun:
         self.reply = self.prompts = 0
         self.t0, self.cpu0 = time.time(), time.process_time()
         self.threads = max(torch.get_num_threads(), 1)
+        self.engine = _uses_engine(backbone, cfg)
 
     def run(self, items) -> dict:
         """Answer every new prompt of ``items`` (up to ``max_prompts`` in the store); on SIGTERM
@@ -314,14 +357,17 @@ class _DistillRun:
     def _drain(self, pool: list) -> None:
         """Answer every pooled prompt, shortest first (less padding per batch); empties ``pool``."""
         pool.sort(key=lambda x: len(x[3]))
+        step = len(pool) if self.engine else self.cfg.batch_size  # the engine refills its rows itself
         while pool:
-            self.process(pool[:self.cfg.batch_size])
-            del pool[:self.cfg.batch_size]
+            self.process(pool[:step])
+            del pool[:step]
 
     def process(self, batch: list[tuple[str, PromptItem, str, list[int]]]) -> None:
         """Answer one batch into the split buffers; flush when a shard is full or due."""
         cfg, t = self.cfg, time.time()
-        if cfg.mode == "generate":
+        if self.engine:
+            replies, topk = batched_replies(self.backbone, [ids for *_, ids in batch], cfg), None
+        elif cfg.mode == "generate":
             replies, topk = generate_batch(self.backbone, [ids for *_, ids in batch], cfg)
         else:
             replies, topk = reference_batch(self.backbone, [it for _, it, _, _ in batch]), None

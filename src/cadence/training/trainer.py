@@ -105,6 +105,9 @@ class TrainConfig:
     draft_vocab_from: str = field(default="", metadata={
         "help": "data directory whose training shards pick the draft vocabulary (default: --data); "
                 "lets runs on different data share one vocabulary"})
+    init_from: str = field(default="", metadata={
+        "help": "heads directory to start from (same --kind and --num-heads; its draft vocabulary is kept): "
+                "continue shipped heads on a grown store instead of starting over"})
     eval_target: str = field(default="auto", metadata={
         "help": "held-out target: auto (the ce target) | token (the data token) | backbone (backbone argmax)"})
     seed: int = field(default=0, metadata={"help": "data order and head initialisation"})
@@ -128,17 +131,24 @@ def _setup_draft_vocab(cfg: TrainConfig, heads, backbone, data_dir: Path, train_
     ids, coverage = frequent_tokens(counts, cfg.draft_vocab, always=backbone.eos_token_ids)
     heads.set_draft_vocab(ids)
     heads.draft_vocab_coverage = coverage
-    vocab_map = torch.full((backbone.vocab_size,), -1, dtype=torch.long)
-    vocab_map[ids] = torch.arange(len(ids))
-    return vocab_map
+    return _vocab_map(ids, backbone.vocab_size)
+
+
+def _coverage(ids: torch.Tensor, data_dir: Path, train_files: list[str], vocab_size: int) -> float:
+    """Share of the training reply tokens that the draft vocabulary ``ids`` holds."""
+    from cadence.training.draft_vocab import reply_token_counts
+
+    counts = reply_token_counts(data_dir, vocab_size, files=train_files)
+    return float(counts[ids.cpu()].sum() / max(counts.sum(), 1))
 
 
 def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
     d = asdict(cfg)
     for k in _RESUMABLE:
         d.pop(k)
-    if not d["draft_vocab_from"]:  # added later: checkpoints made before it stay resumable
-        d.pop("draft_vocab_from")
+    for later in ("draft_vocab_from", "init_from"):  # added later: older checkpoints stay resumable
+        if not d[later]:
+            d.pop(later)
     d["uses_cache"] = bool(cfg.cache_hidden)
     d["world_size"] = world_size
     d["data"] = str(Path(cfg.data).resolve())
@@ -171,6 +181,31 @@ def validate(cfg: TrainConfig) -> None:
                            "(the teacher renormalised over the draft vocabulary)")
     if cfg.cache_only and not cfg.cache_hidden:
         raise CadenceError("--cache-only needs --cache-hidden DIR")
+    if cfg.init_from and (cfg.draft_vocab or cfg.draft_vocab_from):
+        raise CadenceError("--init-from keeps the draft vocabulary of its heads: drop --draft-vocab / "
+                           "--draft-vocab-from")
+
+
+def _vocab_map(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token id -> column of the draft vocabulary ``ids`` (-1 outside it).
+    Example: ids [7, 2], vocab 8 -> [-1, -1, 1, -1, -1, -1, -1, 0]."""
+    vocab_map = torch.full((vocab_size,), -1, dtype=torch.long)
+    vocab_map[ids.cpu()] = torch.arange(len(ids))
+    return vocab_map
+
+
+def _init_heads(cfg: TrainConfig, backbone):
+    """The heads saved in ``cfg.init_from`` (weights and draft vocabulary; not their calibration,
+    which the new weights make stale), checked to be the kind and count this run trains."""
+    from cadence.heads.io import load_heads
+    from cadence.heads.policy import DraftPolicy
+
+    heads = load_heads(cfg.init_from, backbone)
+    if (heads.cfg.kind, heads.cfg.num_heads) != (cfg.kind, cfg.num_heads):
+        raise CadenceError(f"--init-from {cfg.init_from} holds {heads.cfg.num_heads} {heads.cfg.kind} heads; "
+                           f"this run trains {cfg.num_heads} {cfg.kind} heads")
+    heads.policy = DraftPolicy()
+    return heads
 
 
 class _Trainable(nn.Module):
@@ -325,9 +360,13 @@ class _Run:
     def _setup_model(self) -> None:
         """Heads, draft vocabulary, optimizer, LR schedule; state from the checkpoint."""
         cfg, accelerator = self.cfg, self.accelerator
-        heads = new_heads(cfg.kind, self.backbone, cfg.num_heads)
+        heads = _init_heads(cfg, self.backbone) if cfg.init_from else new_heads(cfg.kind, self.backbone, cfg.num_heads)
         self.vocab_map = None
-        if cfg.draft_vocab:
+        if cfg.init_from and heads.draft_vocab is not None:
+            self.vocab_map = _vocab_map(heads.draft_vocab, self.backbone.vocab_size)
+            heads.draft_vocab_coverage = _coverage(heads.draft_vocab, self.data_dir, self.shards["train"],
+                                                   self.backbone.vocab_size)
+        elif cfg.draft_vocab:
             vocab_dir, files = self.data_dir, self.shards["train"]
             if cfg.draft_vocab_from:
                 vocab_dir = Path(cfg.draft_vocab_from)
@@ -527,6 +566,10 @@ class _Run:
         self.start_step = self.step
         self.status = "finished"
         self.win = Window(cfg.num_heads)
+        if cfg.init_from and self.step == 0 and cfg.eval_every:  # where the started-from heads stand
+            ev = self.evaluate()
+            if ev is not None:
+                self.log.write({"kind": "eval", "step": 0, "init_from": cfg.init_from, **ev})
         while self.step < cfg.steps and self.status != "stopped":
             epoch, within = divmod(self.step, self.steps_per_epoch)
             dl = self._epoch_loader(epoch, within)
