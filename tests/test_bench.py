@@ -174,3 +174,23 @@ def test_method_names_take_a_scheduler():
     for bad in ("hydra+bogus", "vanilla+entmtp", "hf-pld+entmtp"):
         with pytest.raises(CadenceError):
             parse_method(bad, cfg)
+
+
+def test_method_names_take_a_heads_directory(tmp_path):
+    """'kind@DIR': two head sets of one kind side by side in one run."""
+    from cadence.bench.runner import parse_method, parse_methods
+
+    heads = tmp_path / "new heads"
+    heads.mkdir()
+    (heads / "config.json").write_text("{}")
+    cfg = BenchConfig(heads="default", methods=["eagle", f"eagle@{heads}", f"eagle:chain+static@{heads}/nocopy"])
+    shipped, mine, nocopy = parse_methods(cfg)
+    assert shipped.spec.heads == "default" and mine.spec.heads == str(heads)
+    assert mine.label == f"eagle@{heads}" and mine.spec.copy is True
+    assert (nocopy.spec.heads, nocopy.spec.tree, nocopy.spec.scheduler, nocopy.spec.copy) == (
+        str(heads), "chain", "static", False)
+    for bad, msg in [("eagle@", "names no heads"), (f"eagle@{tmp_path}/none", "not a heads directory"),
+                     (f"vanilla@{heads}", "has no heads"), (f"llama.cpp@{heads}", "has no heads"),
+                     ("hydra/fast", "only option is /nocopy")]:
+        with pytest.raises(CadenceError, match=msg):
+            parse_method(bad, BenchConfig())

@@ -100,13 +100,22 @@ class MethodEntry:
 
 def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
     """'vanilla' | 'hydra' | 'hydra:tree-16' | 'hydra+entmtp' | 'hydra:chain+static/nocopy' |
-    'hf-generate' | 'hf-pld' | 'llama.cpp'.
+    'eagle@runs/eagle/heads' | 'hf-generate' | 'hf-pld' | 'llama.cpp'.
 
-    head[:tree][+scheduler][/nocopy]: a head method drafts with context copy (greedy) unless
-    it ends in '/nocopy'; '+NAME' picks the scheduler (default: auto, see MethodSpec)."""
-    text, _, flag = text.strip().partition("/")
-    if flag not in ("", "nocopy"):
-        raise CadenceError(f"unknown method option /{flag} in {text}/{flag!r}; the only option is /nocopy")
+    head[:tree][+scheduler][@DIR][/nocopy]: a head method drafts with context copy (greedy)
+    unless it ends in '/nocopy'; '+NAME' picks the scheduler (default: auto, see MethodSpec);
+    '@DIR' takes the heads from DIR instead of --heads / --heads-dir, so two sets of the same
+    kind (e.g. shipped and retrained) run side by side."""
+    text, flag, where = text.strip(), "", ""
+    if text.endswith("/nocopy"):
+        text, flag = text[:-len("/nocopy")], "nocopy"
+    if "@" in text:
+        text, _, where = text.partition("@")
+        if not where:
+            raise CadenceError(f"{text}@ names no heads directory")
+    elif "/" in text:
+        text, _, bad = text.partition("/")
+        raise CadenceError(f"unknown method option /{bad} in {text}/{bad}; the only option is /nocopy")
     text, _, scheduler = text.partition("+")
     if scheduler:
         from cadence.schedulers import registry
@@ -115,6 +124,8 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
     name = name.lower()
     if name in ("llama-cpp", "llamacpp", "llama_cpp"):
         name = "llama.cpp"
+    if where and name in PEERS + ("vanilla", "ngram"):
+        raise CadenceError(f"{name} has no heads: @{where} does not apply")
     if name in PEERS:
         if tree or flag or scheduler:
             raise CadenceError(f"peer {name} takes no tree, scheduler or option ({text!r})")
@@ -132,7 +143,11 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
             raise CadenceError("ngram is the context copy: /nocopy leaves nothing to draft")
         spec = MethodSpec(method=Method.NGRAM, tree=tree or "auto", scheduler=scheduler or "auto")
         return MethodEntry((f"ngram:{tree}" if tree else "ngram") + (f"+{scheduler}" if scheduler else ""), "engine", spec)
-    if cfg.heads_dir:
+    if where:
+        if not (Path(where) / "config.json").is_file():
+            raise CadenceError(f"{where} is not a heads directory (no config.json)")
+        heads = where
+    elif cfg.heads_dir:
         sub = Path(cfg.heads_dir) / name
         if not (sub / "config.json").is_file():
             raise CadenceError(f"--heads-dir {cfg.heads_dir} has no {name}/ heads directory")
@@ -142,7 +157,8 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
     spec = MethodSpec(method=Method(name), heads=heads, tree=tree or "auto",
                       num_heads=cfg.num_heads, heads_seed=cfg.heads_seed, copy=not flag,
                       scheduler=scheduler or "auto")
-    label = (f"{name}:{tree}" if tree else name) + (f"+{scheduler}" if scheduler else "") + (f"/{flag}" if flag else "")
+    label = ((f"{name}:{tree}" if tree else name) + (f"+{scheduler}" if scheduler else "")
+             + (f"@{where}" if where else "") + (f"/{flag}" if flag else ""))
     return MethodEntry(label, "engine", spec)
 
 
