@@ -27,12 +27,16 @@ PROMPTS = Path(__file__).parent / "prompts" / "categories.jsonl"
 
 
 def parse_method(text: str) -> MethodSpec:
-    """'hydra' | 'hydra:auto-8' | 'hydra+adaptive-k' | 'hydra:auto+static/nocopy' -> MethodSpec."""
-    text, _, flag = text.partition("/")
-    text, _, scheduler = text.partition("+")
-    name, _, tree = text.partition(":")
-    return MethodSpec(method=Method(name), tree=tree or "auto", copy=flag != "nocopy",
-                      scheduler=scheduler or "auto")
+    """A method name as ``cadence bench`` takes it ('hydra', 'hydra:auto-8', 'hydra+adaptive-k',
+    'hydra:auto+static/nocopy', 'hydra@runs/hydra/heads') -> its MethodSpec (no peers here)."""
+    from cadence.bench.runner import BenchConfig
+    from cadence.bench.runner import parse_method as bench_method
+    from cadence.errors import CadenceError
+
+    entry = bench_method(text, BenchConfig())
+    if entry.spec is None:
+        raise CadenceError(f"{text}: peers are not timed here; use cadence bench")
+    return entry.spec
 
 
 def main() -> None:

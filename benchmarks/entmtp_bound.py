@@ -1,0 +1,84 @@
+"""How much can any entropy-binned tree switching (EntMTP) gain over the static tree here?
+
+An oracle bound from the heads' calibration and this machine's verify latency, no decoding:
+for each acceptance profile (task) and entropy bin, the expected tokens/s of the bin's best
+tree against that of the one static tree (``--tree auto``: the best tree under the heads'
+pooled table), weighted by the bin's share of positions. The oracle knows every step's bin
+exactly (EntMTP estimates it from an EMA of past entropies), so a measured EntMTP / static
+ratio above this bound would be noise, and a bound near 1.0 means that on this CPU the
+static tree is already close to the best choice at every entropy.
+
+Both trees are valued with the same model the schedulers use (``tree_policy.best_tree``:
+expected tau under the table, step = verify latency of the tree's size + one head call per
+drafted level), with the shape filter of the backbone (chains only for lossless bf16).
+
+Usage:  python benchmarks/entmtp_bound.py [--method hydra] [--dtype auto] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cadence.backbone import load_backbone
+from cadence.machine import machine_info, machine_line
+from cadence.methods import Method, MethodSpec, make_engine
+from cadence.profiles import load_profiles
+from cadence.sampling import SamplingParams
+from cadence.tree_policy import best_tree, step_seconds
+from cadence.trees import expected_tau
+
+
+def tokens_per_s(paths: list, table: list[list[float]], policy, num_heads: int) -> float:
+    """Expected committed tokens per second of drafting ``paths`` when ``table`` holds."""
+    depth = max(map(len, paths)) if paths else 0
+    return expected_tau(paths, table) / step_seconds(policy.latency, len(paths) + 1, depth, policy.draft_s, num_heads)
+
+
+def bound(profile, static_paths: list, copying: bool, policy, num_heads: int, max_depth: int) -> dict:
+    """Per bin: the static tree's and the bin's best tree's expected tokens/s; their
+    count-weighted ratio (the oracle bound)."""
+    tables = profile.copy_tables if copying and profile.copy_tables else profile.tables
+    rows, static_sum, best_sum = [], 0.0, 0.0
+    for i, (table, n) in enumerate(zip(tables, profile.counts)):
+        shaped = policy.shape(table)
+        best = best_tree(shaped, policy.latency, policy.draft_s, num_heads, max_depth, policy.margin)
+        s_static = tokens_per_s(static_paths, shaped, policy, num_heads)
+        s_best = max(best.tau / best.seconds, s_static)
+        static_sum, best_sum = static_sum + n * s_static, best_sum + n * s_best
+        rows.append({"bin": i, "positions": n, "static_tok_s": round(s_static, 2), "best_tok_s": round(s_best, 2),
+                     "best_nodes": len(best.paths) + 1})
+    return {"bins": rows, "bound": round(best_sum / max(static_sum, 1e-12), 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="hydra", help="heads with profiles.json (hydra, mtp)")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    bb = load_backbone(args.model, args.dtype)
+    engine = make_engine(bb, MethodSpec(method=Method(args.method)))
+    policy, heads = engine.tree_policy, engine.drafter.heads
+    profiles = load_profiles(getattr(heads, "source_dir", None))
+    result = {"machine": machine_info(), "dtype": str(bb.dtype), "method": args.method,
+              "chains_only": policy.chains_only, "draft_s": policy.draft_s,
+              "latency": {"sizes": policy.latency.sizes, "seconds": policy.latency.seconds}, "profiles": {}}
+    print(f"| profile | copy | static nodes | oracle EntMTP / static |\n|---|---|---:|---:|")
+    for copying in (True, False):
+        max_depth = engine.drafter.max_depth(SamplingParams()) if copying else heads.K
+        static = best_tree(policy.table(copying), policy.latency, policy.draft_s, heads.K, max_depth, policy.margin)
+        for name, profile in profiles.items():
+            r = bound(profile, static.paths, copying, policy, heads.K, max_depth)
+            result["profiles"][f"{name}{'+copy' if copying else ''}"] = {"static_nodes": len(static.paths) + 1, **r}
+            print(f"| {name} | {'yes' if copying else 'no'} | {len(static.paths) + 1} | {r['bound']:.3f} |")
+    print(f"\n{machine_line(result['machine'])}; {type(bb).__name__} {bb.dtype}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
