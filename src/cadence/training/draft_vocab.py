@@ -44,3 +44,27 @@ def frequent_tokens(counts: torch.Tensor, size: int, always: set[int] = frozense
     total = int(counts.sum())
     coverage = float(counts[ids].sum()) / total if total else 0.0
     return ids, coverage
+
+
+def vocab_map(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token id -> column of the draft vocabulary ``ids`` (-1 outside it).
+    Example: ids [7, 2], vocab 8 -> [-1, -1, 1, -1, -1, -1, -1, 0]."""
+    out = torch.full((vocab_size,), -1, dtype=torch.long)
+    out[ids.cpu()] = torch.arange(len(ids))
+    return out
+
+
+def coverage(ids: torch.Tensor, data_dir: str | Path, train_files: list[str], vocab_size: int) -> float:
+    """Share of the training reply tokens that the draft vocabulary ``ids`` holds."""
+    counts = reply_token_counts(data_dir, vocab_size, files=train_files)
+    return float(counts[ids.cpu()].sum() / max(counts.sum(), 1))
+
+
+def choose_draft_vocab(size: int, heads, backbone, data_dir: str | Path, train_files: list[str]) -> torch.Tensor:
+    """Give ``heads`` the ``size`` most frequent reply tokens of the training shards (EOS always
+    in) and record their coverage; return the id -> column map."""
+    counts = reply_token_counts(data_dir, backbone.vocab_size, files=train_files)
+    ids, cov = frequent_tokens(counts, size, always=backbone.eos_token_ids)
+    heads.set_draft_vocab(ids)
+    heads.draft_vocab_coverage = cov
+    return vocab_map(ids, backbone.vocab_size)

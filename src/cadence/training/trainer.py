@@ -41,6 +41,7 @@ from cadence.training.batches import (
     to_batch,
 )
 from cadence.training.data import load_manifest
+from cadence.training.draft_vocab import choose_draft_vocab, coverage, vocab_map
 from cadence.training.run_files import (CHECKPOINT, CKPT_FORMAT, LOG, Log, Window, diff, load_checkpoint,
                                         peak_memory_mib, rng_state, set_rng_state, trim_log)
 
@@ -123,25 +124,6 @@ _RESUMABLE = ("out", "eval_every", "eval_rows", "save_every", "log_every", "stop
               "progress", "device", "cache_hidden", "cache_only", "eval_target")
 
 
-def _setup_draft_vocab(cfg: TrainConfig, heads, backbone, data_dir: Path, train_files: list[str]) -> torch.Tensor:
-    """Pick the draft vocabulary from the training shards; return the id -> column map."""
-    from cadence.training.draft_vocab import frequent_tokens, reply_token_counts
-
-    counts = reply_token_counts(data_dir, backbone.vocab_size, files=train_files)
-    ids, coverage = frequent_tokens(counts, cfg.draft_vocab, always=backbone.eos_token_ids)
-    heads.set_draft_vocab(ids)
-    heads.draft_vocab_coverage = coverage
-    return _vocab_map(ids, backbone.vocab_size)
-
-
-def _coverage(ids: torch.Tensor, data_dir: Path, train_files: list[str], vocab_size: int) -> float:
-    """Share of the training reply tokens that the draft vocabulary ``ids`` holds."""
-    from cadence.training.draft_vocab import reply_token_counts
-
-    counts = reply_token_counts(data_dir, vocab_size, files=train_files)
-    return float(counts[ids.cpu()].sum() / max(counts.sum(), 1))
-
-
 def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
     d = asdict(cfg)
     for k in _RESUMABLE:
@@ -184,14 +166,6 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.init_from and (cfg.draft_vocab or cfg.draft_vocab_from):
         raise CadenceError("--init-from keeps the draft vocabulary of its heads: drop --draft-vocab / "
                            "--draft-vocab-from")
-
-
-def _vocab_map(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Token id -> column of the draft vocabulary ``ids`` (-1 outside it).
-    Example: ids [7, 2], vocab 8 -> [-1, -1, 1, -1, -1, -1, -1, 0]."""
-    vocab_map = torch.full((vocab_size,), -1, dtype=torch.long)
-    vocab_map[ids.cpu()] = torch.arange(len(ids))
-    return vocab_map
 
 
 def _init_heads(cfg: TrainConfig, backbone):
@@ -363,9 +337,9 @@ class _Run:
         heads = _init_heads(cfg, self.backbone) if cfg.init_from else new_heads(cfg.kind, self.backbone, cfg.num_heads)
         self.vocab_map = None
         if cfg.init_from and heads.draft_vocab is not None:
-            self.vocab_map = _vocab_map(heads.draft_vocab, self.backbone.vocab_size)
-            heads.draft_vocab_coverage = _coverage(heads.draft_vocab, self.data_dir, self.shards["train"],
-                                                   self.backbone.vocab_size)
+            self.vocab_map = vocab_map(heads.draft_vocab, self.backbone.vocab_size)
+            heads.draft_vocab_coverage = coverage(heads.draft_vocab, self.data_dir, self.shards["train"],
+                                                  self.backbone.vocab_size)
         elif cfg.draft_vocab:
             vocab_dir, files = self.data_dir, self.shards["train"]
             if cfg.draft_vocab_from:
@@ -374,7 +348,7 @@ class _Run:
                 if vm is None:
                     raise CadenceError(f"--draft-vocab-from {vocab_dir} has no manifest.json")
                 files = _shard_lists(vm)["train"]
-            self.vocab_map = _setup_draft_vocab(cfg, heads, self.backbone, vocab_dir, files)
+            self.vocab_map = choose_draft_vocab(cfg.draft_vocab, heads, self.backbone, vocab_dir, files)
         heads.train()
         model = _Trainable(heads)
         optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
