@@ -361,3 +361,35 @@ def test_trainer_bounds_the_c_heap(train_env, monkeypatch):
     if sys.platform.startswith("linux"):
         import ctypes
         assert ctypes.CDLL("libc.so.6").mallopt(heap.M_MMAP_THRESHOLD, 1 << 20) == 1  # glibc takes it
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_narrow_mlp_keeps_the_strongest_units_and_round_trips(backbones, kind, tmp_path):
+    from cadence.heads.attn_block import Block, narrow_mlp
+
+    bb = backbones["llama"]
+    heads = new_heads(kind, bb, 3, random=True, seed=5)
+    blocks = [m for m in heads.modules() if isinstance(m, Block)]
+    x = torch.randn(2, 6, heads.cfg.hidden_size)
+    pos = torch.arange(6).expand(2, 6)
+    mask = torch.ones(2, 6, 6, dtype=torch.bool).tril()
+    before = blocks[0].forward_masked(x, pos, mask)[0]
+    full = heads.cfg.intermediate_size
+    assert narrow_mlp(blocks[0], full).tolist() == list(range(full))  # full width: a no-op
+    assert torch.equal(blocks[0].forward_masked(x, pos, mask)[0], before)
+    with torch.no_grad():  # make unit 0 the weakest: it must be the one dropped
+        for b in blocks:
+            b.mlp.down_proj.weight[:, 0] = 0.0
+    zeroed = blocks[0].forward_masked(x, pos, mask)[0]
+    for b in blocks:
+        kept = narrow_mlp(b, full - 1)
+        assert 0 not in kept.tolist() and b.shape.inter == full - 1 and b.mlp.down_proj.in_features == full - 1
+    assert torch.allclose(blocks[0].forward_masked(x, pos, mask)[0], zeroed, atol=1e-6)  # unit 0 gave nothing
+    heads.cfg.intermediate_size = full - 1
+    save_heads(heads, tmp_path)
+    back = load_heads(tmp_path, bb)
+    assert back.cfg.intermediate_size == full - 1
+    for a, b in zip(heads.state_dict().values(), back.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        narrow_mlp(blocks[0], 0)

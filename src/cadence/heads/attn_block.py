@@ -205,3 +205,32 @@ def segment_causal(seg: torch.Tensor) -> torch.Tensor:
     same = seg[:, :, None] == seg[:, None, :]
     eye = torch.eye(T, dtype=torch.bool, device=seg.device)
     return (causal & same & (seg[:, :, None] >= 0)) | eye
+
+
+def narrow_mlp(block: Block, width: int) -> torch.Tensor:
+    """Keep ``width`` of the block's SwiGLU units, in place; returns the kept indices (width,).
+
+    A unit j is scored ||up_proj[j]|| * ||gate_proj[j]|| * ||down_proj[:, j]|| (its largest
+    possible contribution, up to the gate's nonlinearity) and the top ``width`` are kept in
+    their original order, so ``width`` = the current width changes nothing. Example: widths
+    1536 -> 1408 drops the 128 weakest units; the block then needs fine-tuning."""
+    mlp = block.mlp
+    inter = mlp.up_proj.out_features
+    if not 0 < width <= inter:
+        raise ValueError(f"cannot narrow a {inter}-unit MLP to {width} units")
+    with torch.no_grad():
+        score = (mlp.up_proj.weight.float().norm(dim=1) * mlp.gate_proj.weight.float().norm(dim=1)
+                 * mlp.down_proj.weight.float().norm(dim=0))
+        keep = score.topk(width).indices.sort().values
+        for name in ("gate_proj", "up_proj"):
+            old = getattr(mlp, name)
+            new = nn.Linear(old.in_features, width, bias=False, device=old.weight.device, dtype=old.weight.dtype)
+            new.weight.copy_(old.weight[keep])
+            setattr(mlp, name, new)
+        old = mlp.down_proj
+        new = nn.Linear(width, old.out_features, bias=False, device=old.weight.device, dtype=old.weight.dtype)
+        new.weight.copy_(old.weight[:, keep])
+        mlp.down_proj = new
+    s = block.shape
+    block.shape = BlockShape(s.d, s.heads, s.kv_heads, s.head_dim, width, s.eps, s.rope_theta)
+    return keep
