@@ -154,8 +154,14 @@ def test_method_names_with_trees_and_nocopy():
     e = parse_method("mtp:auto-8/nocopy", cfg)
     assert e.label == "mtp:auto-8/nocopy" and e.spec.tree == "auto-8" and e.spec.copy is False
     e = parse_method("Hydra", cfg)
-    assert e.label == "hydra" and e.spec.tree == "auto" and e.spec.copy is True
-    for bad, msg in [("hydra/fast", "only option is /nocopy"), ("vanilla/nocopy", "vanilla takes no"),
+    assert e.label == "hydra" and e.spec.tree == "auto" and e.spec.copy is True and e.spec.context_vocab > 0
+    for text in ("eagle/nocopy/novocab", "eagle/novocab/nocopy"):
+        e = parse_method(text, cfg)
+        assert e.label == "eagle/nocopy/novocab" and e.spec.copy is False and e.spec.context_vocab == 0
+    e = parse_method("eagle/novocab", cfg)
+    assert e.label == "eagle/novocab" and e.spec.copy is True and e.spec.context_vocab == 0
+    for bad, msg in [("hydra/fast", "options are /nocopy and /novocab"), ("vanilla/nocopy", "vanilla takes no"),
+                     ("vanilla/novocab", "no heads"),
                      ("hf-pld/nocopy", "takes no tree, scheduler or option")]:
         with pytest.raises(CadenceError, match=msg):
             parse_method(bad, cfg)
@@ -191,6 +197,6 @@ def test_method_names_take_a_heads_directory(tmp_path):
         str(heads), "chain", "static", False)
     for bad, msg in [("eagle@", "names no heads"), (f"eagle@{tmp_path}/none", "not a heads directory"),
                      (f"vanilla@{heads}", "has no heads"), (f"llama.cpp@{heads}", "has no heads"),
-                     ("hydra/fast", "only option is /nocopy")]:
+                     ("hydra/fast", "options are /nocopy and /novocab")]:
         with pytest.raises(CadenceError, match=msg):
             parse_method(bad, BenchConfig())

@@ -172,3 +172,14 @@ def test_draft_vocabulary_sampling_is_lossless(small):
     eng = Engine(bb, HeadDrafter(heads), StaticScheduler.from_preset("tree-4", 3))
     tau = check_lossless(eng, bb, GenerationConfig(temperature=1.0), n=600)
     assert tau > 1.0
+
+
+def test_context_vocabulary_sampling_is_lossless(small):
+    """Draft vocabulary {0, 2} plus the context's own tokens outside it (PROMPT holds 1, 5,
+    7, 3): q covers a per-step set of ids and is zero elsewhere; still plain sampling."""
+    bb = small["llama"]
+    heads = new_heads("hydra", bb, 3, random=True, seed=3).set_draft_vocab(torch.tensor([0, 2]))
+    drafter = HeadDrafter(heads, context_vocab=3)
+    eng = Engine(bb, drafter, StaticScheduler.from_preset("tree-4", 3))
+    tau = check_lossless(eng, bb, GenerationConfig(temperature=1.0), n=600)
+    assert tau > 1.0

@@ -57,6 +57,8 @@ class CalibrateConfig:
         "help": "also calibrate a tree for drafting with context copy (stored as copy_tree)"})
     copy_depth: int = field(default=8, metadata={
         "help": "deepest tree level considered when copying (levels past K are copies only)"})
+    context_vocab: int = field(default=256, metadata={
+        "help": "calibrate drafting with the context vocabulary (MethodSpec.context_vocab; 0 = without)"})
     split: str = field(default="val", metadata={
         "help": "store split measured (val: held out from training; train: when no val shards exist yet)"})
     profiles: bool = field(default=True, metadata={
@@ -121,10 +123,33 @@ class SequenceRanks:
 
 
 @torch.inference_mode()
+def _context_logits(heads, feats: torch.Tensor, ids: torch.Tensor, t0: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The context vocabulary's columns for teacher-forced positions t = t0.. (as
+    ``HeadDrafter`` scores them): logits (n, U) over the sequence's tokens outside the draft
+    vocabulary, -inf where the token has not appeared in x[0..t+1] yet, and their ids (U,).
+    (The drafter keeps the 256 most recent; a calibration sequence rarely has more.)
+    Example: x = [5, 900, 7, 900], 900 outside, t0 = 0: 900 is visible from t = 0 on."""
+    inside = torch.zeros(heads.cfg.vocab_size, dtype=torch.bool, device=ids.device)
+    inside[heads.draft_vocab.to(ids.device)] = True
+    outside = ~inside[ids]
+    if not bool(outside.any()):
+        return None
+    uniq, inv = torch.unique(ids[outside], return_inverse=True)
+    pos = torch.nonzero(outside).flatten()
+    first = torch.full((uniq.numel(),), len(ids), dtype=torch.long, device=ids.device)
+    first = first.scatter_reduce(0, inv, pos, "amin")  # first position of each outside token
+    w = heads._shared[1].weight.index_select(0, uniq.to(heads._shared[1].weight.device))
+    logits = (feats.to(w.dtype) @ w.T).float()  # (n, U)
+    t = torch.arange(t0, t0 + feats.shape[0], device=ids.device)
+    return logits.masked_fill(first[None, :] > t[:, None] + 1, float("-inf")), uniq
+
+
 def sequence_ranks(backbone, heads, ids: torch.Tensor, plen: int, ranks: int, copy: CopyConfig | None = None,
-                   depth: int = 0, want_entropy: bool = False) -> SequenceRanks | None:
+                   depth: int = 0, want_entropy: bool = False, context_vocab: bool = False) -> SequenceRanks | None:
     """Ranks for one distilled sequence (None when its reply is too short). Position t's
-    root is x[t+1] (the backbone's token), head k drafts x[t+1+k]; t0 = plen - 1."""
+    root is x[t+1] (the backbone's token), head k drafts x[t+1+k]; t0 = plen - 1. With
+    ``context_vocab`` the candidates include the context's tokens outside the draft vocabulary."""
     K = heads.K
     ids = ids.to(backbone.device)
     T = len(ids)
@@ -135,8 +160,13 @@ def sequence_ranks(backbone, heads, ids: torch.Tensor, plen: int, ranks: int, co
     t0 = max(plen - 1, 0)  # first position whose next token is a reply token
     tops = []  # tops[k-1]: (T-1-k-t0, ranks) head k's candidate ids at t = t0..
     for k in range(1, K + 1):
-        top = heads.draft_logits(feats[k - 1][0][t0:]).topk(ranks, dim=-1).indices
-        tops.append(heads.draft_vocab[top] if heads.draft_vocab is not None else top)
+        f = feats[k - 1][0][t0:]
+        logits, vocab_ids = heads.draft_logits(f), heads.draft_vocab
+        extra = _context_logits(heads, f, ids, t0) if context_vocab and vocab_ids is not None else None
+        if extra is not None:
+            logits, vocab_ids = torch.cat([logits, extra[0]], -1), torch.cat([vocab_ids, extra[1]])
+        top = logits.topk(ranks, dim=-1).indices
+        tops.append(vocab_ids[top] if vocab_ids is not None else top)
     plain = [_rank_in(top, ids[t0 + k + 1:], ranks) for k, top in enumerate(tops, 1)]
     copied = None
     if copy is not None:
@@ -148,8 +178,8 @@ def sequence_ranks(backbone, heads, ids: torch.Tensor, plen: int, ranks: int, co
 
 
 def rank_tables(backbone, heads, data_dir: str | Path, tokens: int, ranks: int,
-                copy: CopyConfig | None = None, copy_depth: int = 0, split: str = "val"
-                ) -> tuple[list[list[float]], list[list[float]] | None]:
+                copy: CopyConfig | None = None, copy_depth: int = 0, split: str = "val",
+                context_vocab: bool = False) -> tuple[list[list[float]], list[list[float]] | None]:
     """a[k][i] from teacher-forced held-out sequences (see module docstring): for the heads
     alone, and (``copy`` set) with the context copy ranked first, down to ``copy_depth``."""
     K = heads.K
@@ -160,7 +190,7 @@ def rank_tables(backbone, heads, data_dir: str | Path, tokens: int, ranks: int,
     for ids, plen in _val_sequences(data_dir, split):
         if seen >= tokens:
             break
-        r = sequence_ranks(backbone, heads, ids, plen, ranks, copy, depth)
+        r = sequence_ranks(backbone, heads, ids, plen, ranks, copy, depth, context_vocab=context_vocab)
         if r is None:
             continue
         plain.add(r.plain)
@@ -263,10 +293,13 @@ def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
     backbone = backbone or load_backbone(cfg.model, cfg.dtype, cfg.device)
     heads = load_heads(cfg.heads, backbone)
     copy = CopyConfig() if cfg.copy else None
-    acc, copy_acc = rank_tables(backbone, heads, cfg.data, cfg.tokens, cfg.ranks, copy, cfg.copy_depth, cfg.split)
-    variants = [("heads", acc, HeadDrafter(heads))]
+    if cfg.context_vocab < 0:
+        raise CadenceError(f"--context-vocab must be >= 0, got {cfg.context_vocab}")
+    acc, copy_acc = rank_tables(backbone, heads, cfg.data, cfg.tokens, cfg.ranks, copy, cfg.copy_depth, cfg.split,
+                                context_vocab=cfg.context_vocab > 0)
+    variants = [("heads", acc, HeadDrafter(heads, context_vocab=cfg.context_vocab))]
     if copy_acc is not None:
-        variants.append(("copy", copy_acc, HeadDrafter(heads, copy, cfg.copy_depth)))
+        variants.append(("copy", copy_acc, HeadDrafter(heads, copy, cfg.copy_depth, cfg.context_vocab)))
     candidates = [("heads", [], variants[0][2])] + [
         (name, grow_tree(table, b), drafter) for name, table, drafter in variants for b in cfg.budgets]
     trees = [compile_tree(p, name=f"calibrated-{name}-{len(p)}") for name, p, _ in candidates]

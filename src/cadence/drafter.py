@@ -6,7 +6,9 @@ At T = 0 children are the head's top-ranked tokens; at T > 0 they are independen
 draws from the head's distribution q (the same sampling parameters as the backbone),
 and q is returned so that verification can be lossless. With context copy (greedy
 only) a node's candidates start with the token that followed the same n-gram earlier
-in the request, and levels deeper than K are filled by copies alone.
+in the request, and levels deeper than K are filled by copies alone. With a context
+vocabulary (``context_vocab``), heads restricted to a draft vocabulary may also propose the
+request's own tokens outside it (``context_vocab.ContextVocabs``).
 
 Per-request state (attention-bearing heads, ``heads.attends``): such heads attend over the
 request's context through their own KV cache, so a request holds a ``DraftState``
@@ -28,6 +30,7 @@ from typing import Protocol
 import torch
 
 from cadence.context_copy import CopyConfig, NgramIndex, copy_after, merge_candidates
+from cadence.context_vocab import ContextVocabs
 from cadence.sampling import SamplingParams, categorical, probs
 from cadence.trees import CompiledTree, compile_tree
 
@@ -115,13 +118,18 @@ class HeadDrafter:
     the nodes that carry a candidate.
     """
 
-    def __init__(self, heads, copy: CopyConfig | None = None, copy_depth: int = 0):
+    def __init__(self, heads, copy: CopyConfig | None = None, copy_depth: int = 0, context_vocab: int = 0):
         self.heads = heads
         self.num_heads = heads.K
         self.vocab_size = heads.cfg.vocab_size
         self.copy = copy
         self.copy_depth = max(copy_depth, heads.K)  # deepest level a copy may fill
         self._pinned = None  # (hidden, tokens) set by ``pin`` for the next draft call
+        # up to ``context_vocab`` of the context's tokens outside the heads' draft vocabulary
+        # are scored too (None: off, or heads that draft over the whole vocabulary)
+        dv = heads.draft_vocab
+        self.context_vocab = (ContextVocabs(dv, self.vocab_size, context_vocab)
+                              if context_vocab > 0 and dv is not None else None)
 
     def pin(self, hidden: torch.Tensor, tokens: list[int]) -> None:
         """One-shot, for schedulers that drafted the top-1 chain themselves to judge it (the
@@ -183,6 +191,7 @@ class HeadDrafter:
             copies.sync(list(context) + [root])
         attends = getattr(self.heads, "attends", False)
         ctx = self._begin(state, hidden, context, root) if attends else None
+        extra = self.context_vocab.extra_ids(context, root) if self.context_vocab is not None else None
         state_of: dict[int, torch.Tensor] = {-1: self.heads.init_state(hidden[None])[0]}
         by_depth: dict[int, list[int]] = {}
         for node in range(n):
@@ -202,9 +211,9 @@ class HeadDrafter:
                     states = self.heads.tree_step(depth + 1, prev, node_tokens, ctx, nodes,
                                                   [tree.parents[i] for i in nodes])
                     feats = self.heads.tree_logits_features(depth + 1, states)
-                    logits, vocab_ids = self.heads.draft_logits(feats), self.heads.draft_vocab
                 else:
-                    logits, vocab_ids, states = self.heads.draft_step(depth + 1, prev, node_tokens)
+                    feats, states = self.heads.step_features(depth + 1, prev, node_tokens)
+                logits, vocab_ids = self._logits(feats, extra)
                 for j, node in enumerate(nodes):
                     state_of[node] = states[j]
                 cands, q = self._candidates(logits, vocab_ids, nodes, widths, sampling, generator, q, n)
@@ -246,6 +255,16 @@ class HeadDrafter:
         logits, vocab_ids, _ = self.heads.draft_step(1, state, torch.tensor(roots, device=hidden.device))
         best = logits.argmax(dim=-1)  # (B,)
         return (vocab_ids[best] if vocab_ids is not None else best).tolist()
+
+    def _logits(self, feats: torch.Tensor, extra: torch.Tensor | None):
+        """feats (P, d) -> (logits (P, V'), ids (V',) or None for the whole vocabulary): the
+        draft vocabulary's columns, then those of the context tokens ``extra`` (n,) outside it."""
+        logits, vocab_ids = self.heads.draft_logits(feats), self.heads.draft_vocab
+        if extra is None:
+            return logits, vocab_ids
+        w = self.heads._shared[1].weight.index_select(0, extra)  # (n, d) frozen LM-head rows
+        more = (feats.to(w.dtype) @ w.T).float()
+        return torch.cat([logits, more], dim=-1), torch.cat([vocab_ids, extra])
 
     def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n):
         """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0."""

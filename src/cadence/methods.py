@@ -55,6 +55,9 @@ class MethodSpec:
     copy: bool = field(default=True, metadata={"help": "greedy only: rank the context copy (token after the same n-gram earlier) first"})
     copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
     heads_seed: int = field(default=0, metadata={"help": "seed for --heads random"})
+    context_vocab: int = field(default=256, metadata={
+        "help": "heads with a draft vocabulary may also draft up to N of the request's own tokens "
+                "outside it, most recent first (names, numbers, loops; lossless); 0 = off"})
     scheduler: str = field(default="auto", metadata={
         "help": "how much to speculate each step: auto (adaptive with --tree auto on calibrated heads, "
                 "else static), or one of `cadence.schedulers.registry.names()`: static (--tree), "
@@ -104,7 +107,9 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     if spec.method is Method.NGRAM:
         return _ngram_engine(backbone, spec)
     heads = resolve_heads(backbone, spec)
-    drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec))
+    if spec.context_vocab < 0:
+        raise CadenceError(f"--context-vocab must be >= 0, got {spec.context_vocab}")
+    drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec), spec.context_vocab)
     policy = TreePolicy(spec.tree, heads, drafter, chains_only=getattr(backbone, "chains_only", False))
     name = resolve_scheduler_name(spec, heads)
     if (spec.tree == "auto" or name != "static") and heads.policy.calibrated:

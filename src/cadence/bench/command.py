@@ -24,7 +24,7 @@ def register(subparsers) -> None:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"tasks: {', '.join(TASKS)}\nmethods: {', '.join(ENGINE_METHODS)} (optionally NAME:TREE, "
-               f"e.g. hydra:tree-16; a trailing /nocopy turns context copy off, e.g. hydra/nocopy) and peers {', '.join(PEERS)}")
+               f"e.g. hydra:tree-16; a trailing /nocopy turns context copy off, e.g. hydra/nocopy, /novocab the context vocabulary) and peers {', '.join(PEERS)}")
     p.add_argument("--tasks", nargs="+", default=["gsm8k"], metavar="TASK", help="tasks to run (default: gsm8k)")
     p.add_argument("--methods", nargs="+", default=["vanilla", "hydra"], metavar="METHOD",
                    help="methods and peers, run interleaved per prompt (default: vanilla hydra)")

@@ -102,20 +102,23 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
     """'vanilla' | 'hydra' | 'hydra:tree-16' | 'hydra+entmtp' | 'hydra:chain+static/nocopy' |
     'eagle@runs/eagle/heads' | 'hf-generate' | 'hf-pld' | 'llama.cpp'.
 
-    head[:tree][+scheduler][@DIR][/nocopy]: a head method drafts with context copy (greedy)
-    unless it ends in '/nocopy'; '+NAME' picks the scheduler (default: auto, see MethodSpec);
+    head[:tree][+scheduler][@DIR][/nocopy][/novocab]: a head method drafts with context copy
+    (greedy) unless it ends in '/nocopy', and with the context vocabulary (MethodSpec.
+    context_vocab) unless it ends in '/novocab'; '+NAME' picks the scheduler (default: auto, see MethodSpec);
     '@DIR' takes the heads from DIR instead of --heads / --heads-dir, so two sets of the same
     kind (e.g. shipped and retrained) run side by side."""
     text, flag, where = text.strip(), "", ""
-    if text.endswith("/nocopy"):
-        text, flag = text[:-len("/nocopy")], "nocopy"
+    novocab = False
+    while text.endswith(("/nocopy", "/novocab")):
+        text, _, opt = text.rpartition("/")
+        flag, novocab = (flag or ("nocopy" if opt == "nocopy" else "")), novocab or opt == "novocab"
     if "@" in text:
         text, _, where = text.partition("@")
         if not where:
             raise CadenceError(f"{text}@ names no heads directory")
     elif "/" in text:
         text, _, bad = text.partition("/")
-        raise CadenceError(f"unknown method option /{bad} in {text}/{bad}; the only option is /nocopy")
+        raise CadenceError(f"unknown method option /{bad} in {text}/{bad}; the options are /nocopy and /novocab")
     text, _, scheduler = text.partition("+")
     if scheduler:
         from cadence.schedulers import registry
@@ -126,6 +129,8 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
         name = "llama.cpp"
     if where and name in PEERS + ("vanilla", "ngram"):
         raise CadenceError(f"{name} has no heads: @{where} does not apply")
+    if novocab and name in PEERS + ("vanilla", "ngram"):
+        raise CadenceError(f"{name} has no heads: /novocab does not apply")
     if name in PEERS:
         if tree or flag or scheduler:
             raise CadenceError(f"peer {name} takes no tree, scheduler or option ({text!r})")
@@ -156,9 +161,9 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
         raise CadenceError(f"heads directory {heads} does not exist")
     spec = MethodSpec(method=Method(name), heads=heads, tree=tree or "auto",
                       num_heads=cfg.num_heads, heads_seed=cfg.heads_seed, copy=not flag,
-                      scheduler=scheduler or "auto")
+                      scheduler=scheduler or "auto", **({"context_vocab": 0} if novocab else {}))
     label = ((f"{name}:{tree}" if tree else name) + (f"+{scheduler}" if scheduler else "")
-             + (f"@{where}" if where else "") + (f"/{flag}" if flag else ""))
+             + (f"@{where}" if where else "") + (f"/{flag}" if flag else "") + ("/novocab" if novocab else ""))
     return MethodEntry(label, "engine", spec)
 
 

@@ -1,0 +1,128 @@
+"""The context vocabulary: heads with a draft vocabulary also draft the request's own
+tokens outside it (``cadence.context_vocab``, ``HeadDrafter(context_vocab=N)``)."""
+
+import pytest
+import torch
+from tiny import tiny_backbone
+
+from cadence.context_vocab import ContextVocab, ContextVocabs
+from cadence.drafter import HeadDrafter
+from cadence.engine import Engine, GenerationConfig
+from cadence.heads import new_heads
+from cadence.sampling import SamplingParams
+from cadence.schedulers import StaticScheduler
+from cadence.trees import chain, compile_tree
+
+
+def test_tracker_keeps_the_most_recent_outside_tokens():
+    inside = [t in (1, 2) for t in range(10)]
+    cv = ContextVocab(inside, limit=2)
+    ctx = [1, 7, 2, 8, 7]
+    cv.update(ctx)
+    assert cv.ids().tolist() == [8, 7]  # 7 seen again last
+    ctx.append(9)
+    cv.update(ctx)
+    assert cv.ids().tolist() == [7, 9] and cv.seen == 6
+    assert ContextVocab(inside, 4).ids() is None
+
+
+def test_trackers_follow_their_context_list_and_include_the_root():
+    vocabs = ContextVocabs(torch.tensor([1, 2]), 10, limit=3)
+    a, b = [1, 5], [2, 6, 6]
+    assert vocabs.extra_ids(a, 1).tolist() == [5]
+    assert vocabs.extra_ids(b, 9).tolist() == [6, 9]  # the root (not yet in the context) counts
+    a.extend([7, 8])
+    assert vocabs.extra_ids(a, 2).tolist() == [5, 7, 8]
+    assert vocabs.extra_ids(a, 4).tolist() == [7, 8, 4]  # limit 3: the oldest gives way
+    a.clear()  # a list that shrank starts over
+    assert vocabs.extra_ids(a, 1) is None
+
+
+def _heads(bb, vocab):
+    return new_heads("hydra", bb, 3, random=True, seed=1).set_draft_vocab(torch.tensor(vocab))
+
+
+def test_drafts_can_be_context_tokens_only_with_the_context_vocabulary():
+    bb = tiny_backbone("llama")
+    heads = _heads(bb, list(range(10)))
+    real = heads.draft_logits
+    heads.draft_logits = lambda feats: real(feats) - 1e4  # the draft vocabulary never wins
+    tree = compile_tree(chain(3))
+    context = [3, 50, 4, 60, 70]
+    hidden = torch.randn(bb.hidden_size)
+    for n, allowed in ((0, set(range(10))), (8, {50, 60, 70, 80})):
+        d = HeadDrafter(heads, context_vocab=n).draft(tree, 80, hidden, context, SamplingParams(), None)
+        drafted = set(d.tokens[1:].tolist())
+        assert drafted and drafted <= allowed, (n, drafted)
+
+
+@pytest.mark.parametrize("kind", ["hydra", "medusa", "eagle"])
+def test_context_vocabulary_keeps_greedy_output_identical(kind):
+    bb = tiny_backbone("llama")
+    heads = new_heads(kind, bb, 3, random=True, seed=2).set_draft_vocab(torch.arange(0, 40))
+    prompts = ([5, 90, 11, 3, 90, 9, 11, 3], [200, 41, 200, 43, 40, 41], [7] * 12 + [100, 101, 7, 7])
+    for tree in ("chain", "tree-8"):
+        eng = Engine(bb, HeadDrafter(heads, context_vocab=16), StaticScheduler.from_preset(tree, 3))
+        for p in prompts:
+            ref = Engine(bb).generate(p, GenerationConfig(max_new_tokens=40)).tokens
+            assert eng.generate(p, GenerationConfig(max_new_tokens=40)).tokens == ref, (kind, tree, p)
+
+
+class OracleChainDrafter(HeadDrafter):
+    """On a chain, ranks the reference continuation first among the candidates the drafter
+    has (draft vocabulary plus, when on, the context vocabulary)."""
+
+    def arm(self, ref, plen):
+        self.ref, self.plen = ref, plen
+        return self
+
+    def draft(self, tree, root, hidden, context, *args, **kwargs):
+        self._next, self._depth = self.ref[len(context) - self.plen + 1:], 0
+        return super().draft(tree, root, hidden, context, *args, **kwargs)
+
+    def _logits(self, feats, extra):
+        logits, ids = super()._logits(feats, extra)
+        if self._depth < len(self._next):
+            hit = (ids == self._next[self._depth]).nonzero()
+            if hit.numel():
+                logits[:, hit[0, 0]] = logits.max() + 10.0
+        self._depth += 1
+        return logits, ids
+
+
+def test_oov_tokens_are_accepted_only_with_the_context_vocabulary():
+    """Oracle drafts whose draft vocabulary misses most of the output: only the context
+    vocabulary lets them propose (and get accepted) tokens seen earlier in the request."""
+    bb = tiny_backbone("llama")
+    prompt = [5, 90, 11, 3, 90, 9, 11, 3] * 2
+    ref = Engine(bb).generate(prompt, GenerationConfig(max_new_tokens=48)).tokens
+    seen, recurring = set(prompt), 0
+    for t in ref:
+        recurring += t >= 10 and t in seen
+        seen.add(t)
+    assert recurring >= 5  # the output repeats tokens outside the draft vocabulary
+    taus = {}
+    for n in (0, 64):
+        drafter = OracleChainDrafter(_heads(bb, list(range(10))), context_vocab=n).arm(ref, len(prompt))
+        eng = Engine(bb, drafter, StaticScheduler.from_preset("chain", 3))
+        out = eng.generate(prompt, GenerationConfig(max_new_tokens=48))
+        assert out.tokens == ref
+        taus[n] = out.stats.tau
+    assert taus[64] > taus[0] + 0.2, taus  # measured 1.02 -> 1.30
+
+
+def test_calibration_scores_a_context_token_from_the_position_after_it_appears():
+    from cadence.calibrate import _context_logits
+
+    bb = tiny_backbone("llama")
+    heads = _heads(bb, list(range(10)))
+    ids = torch.tensor([5, 90, 7, 90, 11, 3, 2])  # 90 first at 1, 11 first at 4 (both outside)
+    feats = torch.randn(5, bb.hidden_size)  # positions t = 1..5
+    logits, uniq = _context_logits(heads, feats, ids, t0=1)
+    assert uniq.tolist() == [11, 90]
+    w = bb.lm_head.weight[uniq]
+    finite = torch.isfinite(logits)
+    # 90 visible from t = 0 on (x[0..t+1] holds it); 11 from t = 3 on
+    assert finite[:, 1].all() and finite[:, 0].tolist() == [False, False, True, True, True]
+    assert torch.allclose(logits[finite], (feats @ w.T)[finite], atol=1e-5)
+    assert _context_logits(heads, feats, torch.tensor([1, 2, 3]), t0=0) is None
