@@ -295,3 +295,64 @@ def test_head_losses_fused_equals_callable():
     a = L.head_losses(lm, feats, batch, L.LossSpec())[0]
     b = L.head_losses(lambda x: lm(x), feats, batch, L.LossSpec())[0]
     assert a.item() == pytest.approx(b.item(), rel=1e-5)
+
+
+# ------------------------------------------------------------------ the context vocabulary
+
+def test_context_seen_resets_per_packed_sequence():
+    vmap = torch.full((100,), -1)
+    vmap[[5, 7]] = torch.tensor([0, 1])
+    ids = torch.tensor([[5, 90, 7, 90, 7]])
+    seg = torch.tensor([[0, 0, 0, 1, -1]])
+    uniq, seen = L.context_seen(ids, seg, vmap)
+    assert uniq.tolist() == [90]
+    assert seen[0, :, 0].tolist() == [False, True, True, True, False]  # padding sees nothing
+    ids2 = torch.tensor([[7, 90, 7, 5]])
+    _, seen2 = L.context_seen(ids2, torch.tensor([[0, 0, 1, 1]]), vmap)
+    assert seen2[0, :, 0].tolist() == [False, True, False, False]  # the second sequence has no 90
+    assert L.context_seen(torch.tensor([[5, 7]]), torch.zeros(1, 2, dtype=torch.long), vmap) is None
+
+
+def test_fused_ce_with_context_columns_matches_reference():
+    g = torch.Generator().manual_seed(8)
+    lm = torch.nn.Linear(8, 12, bias=False)
+    lm.requires_grad_(False)
+    rows = torch.randn(4, 8, generator=g)  # four context tokens
+    vis = torch.rand(9, 4, generator=g) > 0.4
+    vis[:, 0] = True
+    tgt = torch.randint(0, 12, (9,), generator=g)
+    tgt[:3] = 12  # three rows aim at context column 0 (always visible)
+    f1 = torch.randn(9, 8, generator=g, requires_grad=True)
+    f2 = f1.detach().clone().requires_grad_(True)
+    z = torch.cat([lm(f2), (f2 @ rows.T).masked_fill(~vis, float("-inf"))], -1)
+    ref = F.cross_entropy(z, tgt, reduction="sum")
+    got = L.fused_loss(lm, f1, "ce", tgt, rows, vis, chunk=4)
+    assert torch.allclose(got, ref, atol=1e-4)
+    got.backward()
+    ref.backward()
+    assert torch.allclose(f1.grad, f2.grad, atol=1e-5)
+
+
+def test_head_losses_train_visible_context_tokens_instead_of_skipping_them():
+    """Row [3, 90, 4, 90, 91]: head 1 at t = 2 aims at 90 (seen at 1: kept with the context
+    vocabulary), at t = 3 at 91 (never seen: skipped either way)."""
+    V = 100
+    vmap = torch.full((V,), -1)
+    vmap[:10] = torch.arange(10)
+    lm = torch.nn.Linear(6, 10, bias=False)
+    lm.requires_grad_(False)
+    full = torch.randn(V, 6)
+    ids = torch.tensor([[3, 90, 4, 90, 91]])
+    batch = L.Batch(ids=ids, seg=torch.zeros_like(ids), reply=torch.ones_like(ids, dtype=torch.bool))
+    feats = [torch.randn(1, 3, 6, requires_grad=True)]
+    plain = L.head_losses(lm, feats, batch, L.LossSpec(vocab_map=vmap))
+    ctx = L.head_losses(lm, feats, batch, L.LossSpec(vocab_map=vmap, context_vocab=True, lm_rows=full))
+    # t = 0 -> x2 = 4 (inside), t = 1 -> x3 = 90 (seen at 1), t = 2 -> x4 = 91 (unseen)
+    f = feats[0][0].detach()
+    inside = F.cross_entropy(lm(f[:1]), torch.tensor([4]), reduction="sum")
+    assert plain[1][0] == pytest.approx(float(inside), rel=1e-5)  # only the inside target
+    # with the context vocabulary both t = 0 and t = 1 also score 90 (visible from position 1 on)
+    extra = (f[:2] @ full[[90, 91]].T).masked_fill(torch.tensor([[False, True]]), float("-inf"))  # 91 unseen
+    z = torch.cat([lm(f[:2]), extra], -1)
+    both = F.cross_entropy(z, torch.tensor([4, 10]), reduction="mean")
+    assert ctx[1][0] == pytest.approx(float(both), rel=1e-5)

@@ -273,13 +273,19 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     Each chunk's logits live only inside the loop: the forward computes the loss and
     d loss / d feats (two matmuls per chunk), the backward only scales the stored gradient.
-    Modes: ``ce`` (aux = targets), ``kl`` (aux = teacher features through the same head),
-    ``topk`` (aux = teacher ids, teacher logits).
+    Modes: ``ce`` (aux = targets, and optionally extra rows (U, d) with a visibility mask
+    (N, U): the context vocabulary, columns V'.. of the logits, -inf where not visible),
+    ``kl`` (aux = teacher features through the same head), ``topk`` (aux = teacher ids,
+    teacher logits).
     """
 
     @staticmethod
     def forward(ctx, feats, weight, bias, mode, chunk, compute_dtype, *aux):
         W = _weight_as(weight, compute_dtype)
+        extra = mode == "ce" and len(aux) > 2 and aux[1] is not None
+        if extra:  # the context vocabulary's rows after the draft vocabulary's
+            n_main = W.shape[0]
+            W = torch.cat([W, aux[1].to(compute_dtype)])
         grad = torch.empty(feats.shape, dtype=torch.float32, device=feats.device)
         total = torch.zeros((), dtype=torch.float64, device=feats.device)
         dev_type = feats.device.type
@@ -288,7 +294,9 @@ class _FusedHeadLoss(torch.autograd.Function):
                 f = feats[i:i + chunk].to(compute_dtype)
                 z = (f @ W.T).float()
                 if bias is not None:
-                    z += bias.float()
+                    z[:, :bias.shape[0]] += bias.float()
+                if extra:
+                    z[:, n_main:].masked_fill_(~aux[2][i:i + chunk], float("-inf"))
                 if mode == "ce":
                     tgt = aux[0][i:i + chunk]
                     z.sub_(z.amax(-1, keepdim=True))
@@ -318,12 +326,13 @@ class _FusedHeadLoss(torch.autograd.Function):
                 grad[i:i + chunk] = (z.to(compute_dtype) @ W).float()
         ctx.save_for_backward(grad)
         ctx.feats_dtype = feats.dtype
+        ctx.n_aux = len(aux)
         return total.float()
 
     @staticmethod
     def backward(ctx, gout):
         (grad,) = ctx.saved_tensors
-        return (grad * gout).to(ctx.feats_dtype),  None, None, None, None, None, *([None] * 2)
+        return (grad * gout).to(ctx.feats_dtype), None, None, None, None, None, *([None] * ctx.n_aux)
 
 
 def fused_loss(lm_head: nn.Linear, feats: torch.Tensor, mode: str, *aux: torch.Tensor,
@@ -340,7 +349,7 @@ def fused_loss(lm_head: nn.Linear, feats: torch.Tensor, mode: str, *aux: torch.T
         compute = torch.get_autocast_dtype(dev_type)
     else:
         compute = lm_head.weight.dtype
-    aux = tuple(aux) + (None,) * (2 - len(aux))
+    aux = tuple(aux) + (None,) * (3 - len(aux))
     return _FusedHeadLoss.apply(feats, lm_head.weight, lm_head.bias, mode, chunk, compute, *aux)
 
 
@@ -356,6 +365,10 @@ class LossSpec:
     # (V,) full id -> draft-vocabulary column, -1 outside. ce: targets outside are skipped; kl (teacher
     # full): ``lm`` is then the draft rows of the LM head, so the teacher is p_B renormalised over them
     vocab_map: torch.Tensor | None = None
+    # ce with a draft vocabulary: also score the context's tokens outside it (rows of ``lm_rows``,
+    # the frozen LM head), as ``HeadDrafter(context_vocab=...)`` drafts them, instead of skipping them
+    context_vocab: bool = False
+    lm_rows: torch.Tensor | None = None  # (V, d) full LM-head weight, for the context columns
 
 
 def head_masks(batch: Batch, k: int, adamtp: bool) -> torch.Tensor:
@@ -366,6 +379,43 @@ def head_masks(batch: Batch, k: int, adamtp: bool) -> torch.Tensor:
             raise CadenceError("AdaMTP needs backbone entropies (hidden cache or backbone pass)")
         m = m & ~adamtp_mask(batch.boundary, k)
     return m
+
+
+def context_seen(ids: torch.Tensor, seg: torch.Tensor, vocab_map: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch's tokens outside the draft vocabulary, uniq (U,) sorted, and seen (B, T, U)
+    bool: uniq[u] occurs in row b at or before t within t's packed sequence. A draft made at
+    t (root x[t+1]) may propose uniq[u] iff seen[b, t + 1, u] (``HeadDrafter``'s context
+    vocabulary, without its recency limit). None when every token is inside.
+    Example: row [5, 90, 7 | 90], 90 outside, seg [0, 0, 0, 1]: seen[.., u(90)] = [F, T, T, T]
+    (the second sequence has its own 90 at its first position)."""
+    out = (vocab_map[ids] < 0) & (seg >= 0)
+    if not bool(out.any()):
+        return None
+    uniq = torch.unique(ids[out])
+    occ = ((ids[..., None] == uniq) & (seg[..., None] >= 0)).to(torch.int32)  # (B, T, U)
+    cum = occ.cumsum(1)
+    T = ids.shape[1]
+    pos = torch.arange(T, device=ids.device).expand_as(ids)
+    first = torch.ones_like(seg, dtype=torch.bool)
+    first[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    start = torch.where(first, pos, torch.zeros_like(pos)).cummax(1).values  # first index of t's sequence
+    before = cum.gather(1, (start - 1).clamp(min=0)[..., None].expand_as(cum)) * (start > 0)[..., None]
+    return uniq, (cum - before) > 0
+
+
+def _context_targets(tgt: torch.Tensor, mask: torch.Tensor, ctx, vocab_map: torch.Tensor):
+    """Targets over [draft vocabulary ; context columns] for head k's masked positions: (targets
+    (N,), kept (N,) bool, visibility (N, U)). A target outside the draft vocabulary is kept when
+    it is a visible context token."""
+    uniq, seen = ctx
+    m = vocab_map[tgt]
+    T1 = mask.shape[-1]
+    vis = seen[:, 1:1 + T1][mask]  # (N, U): the context at t is x[..t+1]
+    u = torch.searchsorted(uniq, tgt).clamp(max=uniq.numel() - 1)
+    found = (uniq[u] == tgt) & vis.gather(1, u[:, None])[:, 0]
+    n_main = int((vocab_map >= 0).sum())
+    return torch.where(m >= 0, m, n_main + u), (m >= 0) | found, vis
 
 
 def head_losses(lm, feats: list[torch.Tensor], batch: Batch, spec: LossSpec
@@ -381,6 +431,10 @@ def head_losses(lm, feats: list[torch.Tensor], batch: Batch, spec: LossSpec
     weights = head_weights(len(feats), spec.lam)
     total = sum(f.float().sum() for f in feats) * 0.0
     means, counts = [], []
+    ctx = None  # the context vocabulary of this batch (ce over a draft vocabulary, fused path)
+    if (spec.context_vocab and base == "ce" and spec.vocab_map is not None and spec.lm_rows is not None
+            and isinstance(lm, nn.Linear)):
+        ctx = context_seen(batch.ids, batch.seg, spec.vocab_map)
     for k, f in enumerate(feats, start=1):
         mask = head_masks(batch, k, adamtp)
         n = int(mask.sum())
@@ -393,6 +447,18 @@ def head_losses(lm, feats: list[torch.Tensor], batch: Batch, spec: LossSpec
         fused = isinstance(lm, nn.Linear)
         if base == "ce":
             tgt = head_targets(batch, k, spec.target)[mask]
+            if ctx is not None:  # draft vocabulary plus the visible context tokens outside it
+                tgt, keep, vis = _context_targets(tgt, mask, ctx, spec.vocab_map)
+                n = int(keep.sum())
+                if n == 0:
+                    means.append(float("nan"))
+                    continue
+                rows = spec.lm_rows.index_select(0, ctx[0])
+                s = fused_loss(lm, fk[keep], "ce", tgt[keep], rows, vis[keep], chunk=spec.chunk)
+                mean = s / n
+                means.append(float(mean.detach()))
+                total = total + weights[k - 1] * mean
+                continue
             if spec.vocab_map is not None:  # train over the draft vocabulary; skip targets outside it
                 tgt = spec.vocab_map[tgt]
                 inside = tgt >= 0

@@ -103,6 +103,10 @@ class TrainConfig:
     draft_vocab: int = field(default=0, metadata={
         "help": "train (ce) and draft over the N most frequent "
                 "reply tokens of the data; 0 = full vocabulary"})
+    context_vocab: bool = field(default=True, metadata={
+        "help": "ce with a draft vocabulary: targets outside it that appeared earlier in the sequence "
+                "are trained as the decoder's context vocabulary scores them (--context-vocab at "
+                "decoding), instead of being skipped"})
     draft_vocab_from: str = field(default="", metadata={
         "help": "data directory whose training shards pick the draft vocabulary (default: --data); "
                 "lets runs on different data share one vocabulary"})
@@ -128,8 +132,8 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
     d = asdict(cfg)
     for k in _RESUMABLE:
         d.pop(k)
-    for later in ("draft_vocab_from", "init_from"):  # added later: older checkpoints stay resumable
-        if not d[later]:
+    for later in ("draft_vocab_from", "init_from", "context_vocab"):  # added later: older checkpoints
+        if not d[later]:  # stay resumable (with --no-context-vocab for runs from before it)
             d.pop(later)
     d["uses_cache"] = bool(cfg.cache_hidden)
     d["world_size"] = world_size
@@ -403,7 +407,9 @@ class _Run:
         cfg, dev, inner, backbone = self.cfg, self.accelerator.device, self.inner, self.backbone
         vocab_map = self.vocab_map
         self.spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk,
-                               vocab_map.to(dev) if vocab_map is not None else None)
+                               vocab_map.to(dev) if vocab_map is not None else None,
+                               context_vocab=cfg.context_vocab and vocab_map is not None,
+                               lm_rows=backbone.lm_head.weight.detach().to(dev) if vocab_map is not None else None)
         # the frozen LM head: an nn.Linear takes the fused loss path (see losses.fused_loss)
         if vocab_map is not None:
             loss_head = nn.Linear(backbone.hidden_size, len(inner.draft_vocab), bias=False).to(dev)
