@@ -139,7 +139,7 @@ def _context_logits(heads, feats: torch.Tensor, ids: torch.Tensor, t0: int
     pos = torch.nonzero(outside).flatten()
     first = torch.full((uniq.numel(),), len(ids), dtype=torch.long, device=ids.device)
     first = first.scatter_reduce(0, inv, pos, "amin")  # first position of each outside token
-    w = heads._shared[1].weight.index_select(0, uniq.to(heads._shared[1].weight.device))
+    w = heads.lm_rows(uniq)
     logits = (feats.to(w.dtype) @ w.T).float()  # (n, U)
     t = torch.arange(t0, t0 + feats.shape[0], device=ids.device)
     return logits.masked_fill(first[None, :] > t[:, None] + 1, float("-inf")), uniq

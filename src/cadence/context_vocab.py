@@ -52,6 +52,9 @@ class ContextVocab:
         self.seen = len(context)
         self._ids = None
 
+    def __contains__(self, token: int) -> bool:
+        return token in self._recent
+
     def ids(self) -> torch.Tensor | None:
         """(n,) long: the tracked tokens, or None when there are none."""
         if not self._recent:
@@ -86,7 +89,7 @@ class ContextVocabs:
         track = hit[1]
         track.update(context)
         ids = track.ids()
-        if not self.inside[root] and (ids is None or root not in track._recent):
+        if not self.inside[root] and root not in track:
             root_t = torch.tensor([root], dtype=torch.long, device=self.device)
             ids = root_t if ids is None else torch.cat([ids[1:] if ids.numel() >= self.limit else ids, root_t])
         return ids

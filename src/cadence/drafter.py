@@ -262,7 +262,7 @@ class HeadDrafter:
         logits, vocab_ids = self.heads.draft_logits(feats), self.heads.draft_vocab
         if extra is None:
             return logits, vocab_ids
-        w = self.heads._shared[1].weight.index_select(0, extra)  # (n, d) frozen LM-head rows
+        w = self.heads.lm_rows(extra)  # (n, d)
         more = (feats.to(w.dtype) @ w.T).float()
         return torch.cat([logits, more], dim=-1), torch.cat([vocab_ids, extra])
 

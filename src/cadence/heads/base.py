@@ -123,6 +123,12 @@ class DraftHeads(nn.Module):
         assert self._shared is not None, "call bind(backbone) first"
         return self._shared[0](ids).to(self._param_dtype())
 
+    def lm_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) token ids -> their rows (n, d) of the frozen LM head (e.g. the context vocabulary)."""
+        assert self._shared is not None, "call bind(backbone) first"
+        w = self._shared[1].weight
+        return w.index_select(0, ids.to(w.device))
+
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d) -> float32 logits (..., vocab) through the frozen LM head."""
         assert self._shared is not None, "call bind(backbone) first"

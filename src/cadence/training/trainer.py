@@ -103,10 +103,8 @@ class TrainConfig:
     draft_vocab: int = field(default=0, metadata={
         "help": "train (ce) and draft over the N most frequent "
                 "reply tokens of the data; 0 = full vocabulary"})
-    context_vocab: bool = field(default=True, metadata={
-        "help": "ce with a draft vocabulary: targets outside it that appeared earlier in the sequence "
-                "are trained as the decoder's context vocabulary scores them (--context-vocab at "
-                "decoding), instead of being skipped"})
+    context_vocab: bool = field(default=True, metadata={"help": "ce with a draft vocabulary: train targets "
+                                "outside it that appeared earlier in the sequence (decoding's --context-vocab)"})
     draft_vocab_from: str = field(default="", metadata={
         "help": "data directory whose training shards pick the draft vocabulary (default: --data); "
                 "lets runs on different data share one vocabulary"})
@@ -132,8 +130,8 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
     d = asdict(cfg)
     for k in _RESUMABLE:
         d.pop(k)
-    for later in ("draft_vocab_from", "init_from", "context_vocab"):  # added later: older checkpoints
-        if not d[later]:  # stay resumable (with --no-context-vocab for runs from before it)
+    for later in ("draft_vocab_from", "init_from", "context_vocab"):  # added later: old checkpoints resume
+        if not d[later]:  # (runs from before context_vocab with --no-context-vocab)
             d.pop(later)
     d["uses_cache"] = bool(cfg.cache_hidden)
     d["world_size"] = world_size
