@@ -192,6 +192,7 @@ class HeadDrafter:
         attends = getattr(self.heads, "attends", False)
         ctx = self._begin(state, hidden, context, root) if attends else None
         extra = self.context_vocab.extra_ids(context, root) if self.context_vocab is not None else None
+        extra = (extra, self.heads.lm_rows(extra)) if extra is not None else None  # ids (n,), rows (n, d)
         state_of: dict[int, torch.Tensor] = {-1: self.heads.init_state(hidden[None])[0]}
         by_depth: dict[int, list[int]] = {}
         for node in range(n):
@@ -256,15 +257,16 @@ class HeadDrafter:
         best = logits.argmax(dim=-1)  # (B,)
         return (vocab_ids[best] if vocab_ids is not None else best).tolist()
 
-    def _logits(self, feats: torch.Tensor, extra: torch.Tensor | None):
+    def _logits(self, feats: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None):
         """feats (P, d) -> (logits (P, V'), ids (V',) or None for the whole vocabulary): the
-        draft vocabulary's columns, then those of the context tokens ``extra`` (n,) outside it."""
+        draft vocabulary's columns, then those of the context tokens outside it (``extra``:
+        their ids (n,) and LM-head rows (n, d))."""
         logits, vocab_ids = self.heads.draft_logits(feats), self.heads.draft_vocab
         if extra is None:
             return logits, vocab_ids
-        w = self.heads.lm_rows(extra)  # (n, d)
+        ids, w = extra
         more = (feats.to(w.dtype) @ w.T).float()
-        return torch.cat([logits, more], dim=-1), torch.cat([vocab_ids, extra])
+        return torch.cat([logits, more], dim=-1), torch.cat([vocab_ids, ids])
 
     def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n):
         """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0."""
