@@ -130,9 +130,8 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
     d = asdict(cfg)
     for k in _RESUMABLE:
         d.pop(k)
-    for later in ("draft_vocab_from", "init_from", "context_vocab"):  # added later: old checkpoints resume
-        if not d[later]:  # (runs from before context_vocab with --no-context-vocab)
-            d.pop(later)
+    # fields added later are left out when unset, so older checkpoints resume (--no-context-vocab)
+    d = {k: v for k, v in d.items() if v or k not in ("draft_vocab_from", "init_from", "context_vocab")}
     d["uses_cache"] = bool(cfg.cache_hidden)
     d["world_size"] = world_size
     d["data"] = str(Path(cfg.data).resolve())
@@ -404,10 +403,10 @@ class _Run:
         """The loss spec, the frozen LM head the loss uses, and the evaluation LM head."""
         cfg, dev, inner, backbone = self.cfg, self.accelerator.device, self.inner, self.backbone
         vocab_map = self.vocab_map
+        sub = vocab_map is not None  # a draft vocabulary (and, with it, the context vocabulary)
         self.spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk,
-                               vocab_map.to(dev) if vocab_map is not None else None,
-                               context_vocab=cfg.context_vocab and vocab_map is not None,
-                               lm_rows=backbone.lm_head.weight.detach().to(dev) if vocab_map is not None else None)
+                               vocab_map.to(dev) if sub else None, cfg.context_vocab and sub,
+                               backbone.lm_head.weight.detach().to(dev) if sub else None)
         # the frozen LM head: an nn.Linear takes the fused loss path (see losses.fused_loss)
         if vocab_map is not None:
             loss_head = nn.Linear(backbone.hidden_size, len(inner.draft_vocab), bias=False).to(dev)
