@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cadence.fast import consistent
 from cadence.fast.cpu import onednn_available
@@ -281,3 +282,44 @@ def test_pad_rows_repeats_the_last_row_and_hides_the_extra_ones():
     tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
     _, _, mask = consistent.pad_rows(torch.tensor([[1, 2, 3]]), torch.tensor([[5, 6, 6]]), tree)
     assert mask[3].tolist() == [True, False, True, False]  # the extra row sees what row 2 sees
+
+
+@pytest.mark.parametrize("b,n,L,four_d", [(1, 4, 256, False), (1, 9, 320, False), (2, 4, 128, True),
+                                           (1, 33, 200, False)])
+def test_grouped_sdpa_same_bits_as_enable_gqa(b, n, L, four_d):
+    """Folding the query heads that share a key/value head into the query rows must give
+    enable_gqa's bits in bf16 (the row-consistent path relies on them) and its values in fp32."""
+    from cadence.fast.consistent import grouped_sdpa
+    g = torch.Generator().manual_seed(n * L + b)
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(b, 9, n, 64, generator=g).to(dtype)
+        k = torch.randn(b, 3, L, 64, generator=g).to(dtype)
+        v = torch.randn(b, 3, L, 64, generator=g).to(dtype)
+        mask = torch.rand(n, L, generator=g) < 0.7
+        mask[:, 0] = True  # no empty row
+        if four_d:
+            mask = mask[None, None].expand(b, 1, n, L).clone()
+            mask[-1, 0, :, 1:] = False  # rows differ between batch rows
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        got = grouped_sdpa(q, k, v, mask)
+        assert got.shape == want.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_linear_takes_a_3d_input_as_is_with_the_bits_of_the_2d_call():
+    """The direct call (no reshape/pad/slice) for inputs with enough rows gives what the
+    padded 2-D path gives, and a 1-row input still goes through the padding."""
+    torch.manual_seed(1)
+    w = (torch.randn(960, 576) * 0.03).to(torch.bfloat16)
+    x = torch.randn(1, 4, 576).to(torch.bfloat16)
+    lin = Linear(w, None, "onednn")
+    lin.min_rows = consistent.MIN_ROWS
+    got = lin(x)
+    assert got.shape == (1, 4, 960)
+    assert torch.equal(got[0], lin(x[0]))
+    for i in range(4):
+        assert torch.equal(lin(x[:, i:i + 1])[0, 0], got[0, i])

@@ -126,3 +126,32 @@ def test_calibration_scores_a_context_token_from_the_position_after_it_appears()
     assert finite[:, 1].all() and finite[:, 0].tolist() == [False, False, True, True, True]
     assert torch.allclose(logits[finite], (feats @ w.T)[finite], atol=1e-5)
     assert _context_logits(heads, feats, torch.tensor([1, 2, 3]), t0=0) is None
+
+
+def test_entropy_profiles_rank_context_tokens_when_asked(tmp_path):
+    """EntMTP's profiles measure what the drafter drafts: with the context vocabulary their
+    pooled table is ``rank_tables``' with it, and it accepts more than without it when the
+    draft vocabulary itself never wins."""
+    from cadence.backbone import load_backbone
+    from cadence.calibrate import rank_tables
+    from cadence.profiles import measure_profiles
+    from test_training_support import make_data, tiny_model_dir
+
+    def recurring(rng, plen, rlen):  # replies cycle through their prompt's tokens, all outside 0..9
+        prompt = [rng.randrange(10, 250) for _ in range(plen)]
+        return prompt + [prompt[i % plen] for i in range(rlen)]
+
+    bb = load_backbone(str(tiny_model_dir(tmp_path)), device="cpu")
+    data = make_data(tmp_path / "data", n_train=4, n_val=8, sequence=recurring)
+    heads = _heads(bb, list(range(10)))
+    real = heads.draft_logits
+    heads.draft_logits = lambda feats: real(feats) - 1e4  # only context tokens can rank first
+    top1 = {}
+    for cv in (False, True):
+        prof = measure_profiles(bb, heads, data, ["general"], bins=1, tokens=10_000, ranks=4, copy=None,
+                                context_vocab=cv)["general"]
+        want = rank_tables(bb, heads, data, tokens=10_000, ranks=4, context_vocab=cv)[0]
+        assert prof.counts[0] > 0
+        assert torch.allclose(torch.tensor(prof.tables[0]), torch.tensor(want), atol=1e-6)
+        top1[cv] = sum(row[0] for row in prof.tables[0])
+    assert top1[False] == 0 and top1[True] > 0, top1

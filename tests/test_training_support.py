@@ -40,8 +40,9 @@ def synthetic_sequence(rng: random.Random, plen: int, rlen: int) -> list[int]:
 
 
 def make_data(root: Path, n_train: int = 40, n_val: int = 8, seed: int = 0, topk: int = 0,
-              shard_size: int = 20) -> Path:
-    """Synthetic distilled data: train shards of ``shard_size`` sequences, one val shard, a manifest."""
+              shard_size: int = 20, sequence=synthetic_sequence) -> Path:
+    """Synthetic distilled data: train shards of ``shard_size`` sequences, one val shard, a
+    manifest. ``sequence(rng, plen, rlen)`` makes each sequence."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -66,7 +67,7 @@ def make_data(root: Path, n_train: int = 40, n_val: int = 8, seed: int = 0, topk
             seqs, plens = [], []
             for _ in range(min(shard_size, count - start)):
                 plen, rlen = rng.randint(3, 12), rng.randint(6, 30)
-                seqs.append(synthetic_sequence(rng, plen, rlen))
+                seqs.append(sequence(rng, plen, rlen))
                 plens.append(plen)
             add(split, seqs, plens)
     config = {"sources": ["synthetic"], "mode": "generate", "seed": seed, "topk_logits": topk}

@@ -337,11 +337,13 @@ def _profiles(cfg: CalibrateConfig, backbone, heads, copy) -> str:
     from cadence.tree_policy import draft_seconds
 
     profiles = measure_profiles(backbone, heads, cfg.data, cfg.tasks, cfg.bins, cfg.profile_tokens, cfg.ranks,
-                                copy, cfg.copy_depth, cfg.split)
+                                copy, cfg.copy_depth, cfg.split, context_vocab=cfg.context_vocab > 0)
     path = save_profiles(cfg.heads, profiles, {"data": str(cfg.data), "split": cfg.split,
-                                               "tokens_per_profile": cfg.profile_tokens})
+                                               "tokens_per_profile": cfg.profile_tokens,
+                                               "context_vocab": cfg.context_vocab})
     latency = load_or_measure(backbone)
-    draft_s = draft_seconds(HeadDrafter(heads), backbone.hidden_size, backbone.device, backbone.dtype)
+    draft_s = draft_seconds(HeadDrafter(heads, context_vocab=cfg.context_vocab), backbone.hidden_size,
+                            backbone.device, backbone.dtype)
     for task, prof in profiles.items():
         try:
             plot_frontiers(prof, latency, draft_s, heads.K, copy is not None, path.parent / f"frontier-{task}.png")

@@ -63,9 +63,11 @@ def _sequences_with_source(data_dir: Path, split: str):
 
 def measure_profiles(backbone, heads, data_dir: str | Path, tasks: list[str], bins: int = 5,
                      tokens: int = 12000, ranks: int = 10, copy: CopyConfig | None = CopyConfig(),
-                     copy_depth: int = 8, split: str = "val") -> dict[str, Profile]:
+                     copy_depth: int = 8, split: str = "val", context_vocab: bool = False) -> dict[str, Profile]:
     """Profiles for ``tasks`` (``general`` and/or keys of ``TASK_SOURCES``), each from up to
     ``tokens`` reply tokens of its sources; bin edges are quantiles of that task's entropies.
+    ``context_vocab``: rank the context's tokens outside the heads' draft vocabulary too, as
+    the drafter does with ``--context-vocab`` (``calibrate.sequence_ranks``).
     A task whose source has no sequences in the data is left out (``general`` never is)."""
     from cadence.calibrate import _RankHistogram, sequence_ranks
 
@@ -80,7 +82,8 @@ def measure_profiles(backbone, heads, data_dir: str | Path, tasks: list[str], bi
             if all(v >= tokens for v in seen.values()):
                 break
             continue
-        r = sequence_ranks(backbone, heads, ids, plen, ranks, copy, depth, want_entropy=True)
+        r = sequence_ranks(backbone, heads, ids, plen, ranks, copy, depth, want_entropy=True,
+                           context_vocab=context_vocab)
         if r is None:
             continue
         for t in takers:

