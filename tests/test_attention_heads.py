@@ -393,3 +393,30 @@ def test_narrow_mlp_keeps_the_strongest_units_and_round_trips(backbones, kind, t
         assert torch.equal(a, b)
     with pytest.raises(ValueError):
         narrow_mlp(blocks[0], 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafting_kernels_match_the_modules_and_follow_weight_changes(dtype):
+    """forward_prefix without autograd runs fused, prepacked projections (``attn_block.packed``):
+    same outputs as the modules within rounding, and rebuilt after an in-place weight update
+    (a stale packed copy would keep drafting with the old weights)."""
+    from cadence.heads.attn_block import Block, BlockShape, packed
+
+    torch.manual_seed(0)
+    block = Block(BlockShape(64, 4, 2, 16, 96, 1e-5, 10000.0)).to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, pos = torch.randn(3, 64).to(dtype), torch.arange(5, 8)
+    k_pre, v_pre = torch.randn(5, 2, 16).to(dtype), torch.randn(5, 2, 16).to(dtype)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    for _ in range(2):
+        with torch.enable_grad():
+            want = block.forward_prefix(x, pos, k_pre, v_pre)[0].detach()
+        with torch.no_grad():
+            got = block.forward_prefix(x, pos, k_pre, v_pre)[0]
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        with torch.no_grad():  # what an optimizer step does: the packed copy must not survive it
+            block.mlp.down_proj.weight.mul_(-3.0)
+    kern = packed(block, {"o": [block.self_attn.o_proj]})
+    if kern is not None:  # CPU with oneDNN: one rebuild per change, none without one
+        assert packed(block, {"o": [block.self_attn.o_proj]}) is kern

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from cadence.errors import CadenceError
-from cadence.heads.attn_block import KV, Block, segment_causal, shape_from_config
+from cadence.heads.attn_block import KV, Block, packed, segment_causal, shape_from_config
 from cadence.heads.base import DraftHeads, HeadConfig
 
 
@@ -82,7 +82,9 @@ class EagleHeads(DraftHeads):
         return self.layers[0]
 
     def _input(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([self.embed(tokens), feats.to(self._param_dtype())], dim=-1))
+        x = torch.cat([self.embed(tokens), feats.to(self._param_dtype())], dim=-1)
+        kern = None if torch.is_grad_enabled() else packed(self, {"fc": [self.fc]})  # drafting
+        return kern["fc"](x) if kern is not None else self.fc(x)
 
     # ------------------------------------------------------------------ training
     def train_features(self, hidden, ids, seg=None):
