@@ -1,0 +1,124 @@
+"""Where a speculative step's time goes: drafting, the verify forward, and the rest.
+
+Generates greedily with each method on a few held-out-style prompts (not the bench's or
+the categories' prompts) and times, per step, the drafter's calls (``draft``, shadow drafts,
+``commit``: heads, context copy, attention heads' cache updates), the backbone's verify forward
+(``scorer.score`` as the engine calls it), and everything else (acceptance, cache compaction, scheduling).
+Methods are interleaved per prompt after a warm-up generation each.
+
+Usage:  python benchmarks/draft_cost.py [--methods hydra eagle mtp-attn] [--max-new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import cadence.engine as engine_mod
+from cadence.backbone import load_backbone
+from cadence.engine import GenerationConfig
+from cadence.machine import machine_info, machine_line
+from cadence.methods import Method, MethodSpec, make_engine
+
+PROMPTS = [
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "A train travels 60 miles in 1.5 hours. At that speed, how far does it go in 4 hours?",
+    "Give three tips for staying focused while studying at home.",
+    "Describe a quiet harbour town at dawn in one paragraph.",
+]
+
+
+DRAFTER_CALLS = ("draft", "shadow_heads", "shadow_copy", "commit")
+
+
+class _Timer:
+    """Wraps a callable and sums its wall time."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+
+
+def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
+    engines = {m: make_engine(bb, MethodSpec(method=Method(m.split("/")[0]), copy="/nocopy" not in m))
+               for m in methods}
+    cfg = GenerationConfig(max_new_tokens=max_new)
+    prompts = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
+    for eng in engines.values():  # warm-up
+        eng.generate(prompts[0], cfg)
+    real_score = engine_mod.score
+    totals = {m: {"draft_s": 0.0, "verify_s": 0.0, "total_s": 0.0, "steps": 0, "tokens": 0} for m in methods}
+    try:
+        for _ in range(repeats):
+            for ids in prompts:
+                for m, eng in engines.items():
+                    timers = {}
+                    if eng.drafter is not None:  # drafts, shadow drafts and drafter-state commits
+                        for name in DRAFTER_CALLS:
+                            timers[name] = _Timer(getattr(eng.drafter, name))
+                            setattr(eng.drafter, name, timers[name])
+                    verify = _Timer(real_score)
+                    engine_mod.score = verify
+                    t = time.perf_counter()
+                    out = eng.generate(ids, cfg)
+                    tot = totals[m]
+                    tot["total_s"] += time.perf_counter() - t
+                    engine_mod.score = real_score
+                    for name, timer in timers.items():
+                        delattr(eng.drafter, name)  # back to the class method
+                        tot["draft_s"] += timer.seconds
+                    tot["verify_s"] += verify.seconds
+                    tot["steps"] += verify.calls
+                    tot["tokens"] += len(out.tokens)
+    finally:
+        engine_mod.score = real_score
+    rows = {}
+    for m, t in totals.items():
+        steps = max(t["steps"], 1)
+        rows[m] = {"tok_s": round(t["tokens"] / t["total_s"], 2), "tokens_per_step": round(t["tokens"] / steps, 3),
+                   "draft_ms_per_step": round(1e3 * t["draft_s"] / steps, 3),
+                   "verify_ms_per_step": round(1e3 * t["verify_s"] / steps, 3),
+                   "other_ms_per_step": round(1e3 * (t["total_s"] - t["draft_s"] - t["verify_s"]) / steps, 3),
+                   "steps": t["steps"], "tokens": t["tokens"]}
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--methods", nargs="+", default=["vanilla", "hydra", "eagle", "mtp-attn"],
+                    help="vanilla | medusa | hydra | mtp | eagle | mtp-attn, optionally with /nocopy")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", default="", help="write the rows as JSON here")
+    args = ap.parse_args()
+    bb = load_backbone(args.model, args.dtype)
+    rows = measure(bb, args.methods, args.max_new_tokens, args.repeats)
+    info = machine_info()
+    print(f"Machine: {machine_line(info)}; backbone {bb.dtype}\n")
+    print("| method | tok/s | tokens/step | draft ms/step | verify ms/step | other ms/step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for m, r in rows.items():
+        print(f"| {m} | {r['tok_s']} | {r['tokens_per_step']} | {r['draft_ms_per_step']} | "
+              f"{r['verify_ms_per_step']} | {r['other_ms_per_step']} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"machine": info, "dtype": str(bb.dtype), "rows": rows,
+                                              "max_new_tokens": args.max_new_tokens,
+                                              "repeats": args.repeats}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
