@@ -114,9 +114,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention with the query heads that share a key/value head folded into
     the query rows: one work item of the CPU kernel per key/value head instead of one per
-    query head. Same bits as ``enable_gqa=True`` (``tests/test_fast_attention.py``) and
-    about 20 us (25%) less per call for SmolLM2's shapes on the Zen 5 EPYC (9 heads over 3,
-    4 queries, 256 keys: 80 -> 58 us).
+    query head. Same bits as ``enable_gqa=True`` (``tests/test_consistent.py``); no
+    speed figure is claimed (a whole one-token forward did not measurably change).
 
     q: (b, H, n, d); k, v: (b, KV, L, d); mask: (n, L) or (b, 1, n, L) bool -> (b, H, n, d).
     Example: H 9, KV 3, n 4 -> q as (b, 3, 12, d); rows 0-3 of kv head 0 are query head 0's
