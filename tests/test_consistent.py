@@ -323,3 +323,40 @@ def test_a_linear_takes_a_3d_input_as_is_with_the_bits_of_the_2d_call():
     assert torch.equal(got[0], lin(x[0]))
     for i in range(4):
         assert torch.equal(lin(x[:, i:i + 1])[0, 0], got[0, i])
+
+
+@needs_onednn
+def test_a_forward_folds_its_attention_masks_once_not_per_layer(monkeypatch):
+    """Every layer attends with the same masks: a one-token bf16 forward and a chain verify
+    fold each (repeat + additive conversion) at the first layer only, and the outputs keep
+    the bits of a forward that folds per layer."""
+    from cadence.fast.model import FastBackbone
+    from tiny import tiny_backbone
+
+    plain = tiny_backbone("llama", layers=4)
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain)
+    assert bb.consistent and bb.spec.heads != bb.spec.kv_heads
+    calls = []
+    real = consistent.fold_mask
+    monkeypatch.setattr(consistent, "fold_mask", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(1)
+    cache = bb.new_cache()
+    bb.forward(torch.randint(0, bb.vocab_size, (1, 30), generator=gen), cache, need_logits=False)
+    outs = {}
+    for memo in (True, False):
+        if not memo:  # a fresh memo per call: what folding per layer gives
+            monkeypatch.setattr(consistent.Folded, "__contains__", lambda self, key: False)
+            monkeypatch.setattr(consistent.Folded, "get", lambda self, key, mask: consistent.fold_mask(mask, self.g, self.dtype))
+        calls.clear()
+        for n in (1, 3):
+            outs[memo, n] = bb.forward(torch.randint(0, bb.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)),
+                                       cache).logits
+            cache.compact(30, [])
+        folds = len(calls)
+        if memo:
+            assert folds == 2, folds  # one per forward
+        else:
+            assert folds == 2 * len(bb._layers)
+    for n in (1, 3):
+        assert torch.equal(outs[True, n], outs[False, n])

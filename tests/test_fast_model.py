@@ -182,6 +182,35 @@ def test_padded_batch_without_cache_matches_transformers():
     assert not torch.isnan(b).any()
 
 
+def test_right_padding_attends_causally_and_left_padding_through_the_mask(monkeypatch):
+    """Right padding needs no mask (a real token only sees real tokens under the causal
+    one): the forward must not build it, and real rows keep transformers' values; left
+    padding still goes through the padding mask."""
+    from cadence.fast import model as fast_model
+    assert fast_model._right_padded(torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    assert not fast_model._right_padded(torch.tensor([[0, 1, 1]]))
+    assert not fast_model._right_padded(torch.tensor([[1, 0, 1]]))
+    ref, fast = pair("llama")
+    built = []
+    real = fast._padded_mask
+    monkeypatch.setattr(fast, "_padded_mask", lambda pad: built.append(1) or real(pad))
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(5))
+    right = torch.ones(2, 7, dtype=torch.long)
+    right[1, 4:] = 0
+    b = fast.forward(ids, attention_mask=right).hidden
+    assert not built
+    a = ref.forward(ids, attention_mask=right).hidden
+    for i, n in enumerate(right.sum(1).tolist()):
+        close(a[i, :n], b[i, :n])
+    left = torch.ones(2, 7, dtype=torch.long)
+    left[1, :3] = 0
+    b = fast.forward(ids, attention_mask=left).hidden
+    assert built and not torch.isnan(b).any()
+    a = ref.forward(ids, attention_mask=left).hidden
+    close(a[0], b[0])
+    close(a[1, 3:], b[1, 3:])
+
+
 def test_forward_inside_bf16_autocast_keeps_backbone_dtype():
     ref, fast = pair("llama")
     ids = torch.randint(0, 256, (2, 6))

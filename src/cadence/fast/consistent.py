@@ -86,48 +86,87 @@ def row_groups(positions: list[int], limit: int) -> list[tuple[list[int], int]]:
 
 
 def attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool,
-                  groups: list[tuple[list[int], int]]) -> torch.Tensor:
+                  groups: list[tuple[list[int], int]], memo: Folded | None = None, tag: tuple = ()) -> torch.Tensor:
     """``attend`` per row group (``row_groups``): rows ``rows`` over the first ``keys`` keys.
-    q: (b, H, n, d); k, v: (b, KV, L, d) with L >= every group's keys; mask: (n, L)."""
+    q: (b, H, n, d); k, v: (b, KV, L, d) with L >= every group's keys; mask: (n, L).
+    memo: the forward's ``Folded`` masks (every layer attends with the same ones); ``tag``
+    tells apart the calls of one forward that share ``memo`` (``PathAttention``'s paths)."""
     if len(groups) == 1:
         keys = groups[0][1]
-        return attend(q, k[:, :, :keys], v[:, :, :keys], mask[:, :keys], gqa)
+        return attend(q, k[:, :, :keys], v[:, :, :keys], mask[:, :keys], gqa, memo, tag + (keys,))
     out = q.new_empty(q.shape)
     for rows, keys in groups:
         idx = torch.tensor(rows, device=q.device)
-        out[:, :, idx] = attend(q[:, :, idx], k[:, :, :keys], v[:, :, :keys], mask[idx, :keys], gqa)
+        out[:, :, idx] = attend(q[:, :, idx], k[:, :, :keys], v[:, :, :keys], mask[idx, :keys], gqa, memo,
+                                tag + (tuple(rows), keys))
     return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, gqa: bool,
+           memo: Folded | None = None, key: tuple = ()) -> torch.Tensor:
     """Attention with at least MIN_QUERIES query rows. q: (b, H, n, d); k, v: (b, KV, L, d);
-    mask: (n, L) or (b, 1, n, L) bool (True = may attend) -> (b, H, n, d)."""
+    mask: (n, L) or (b, 1, n, L) bool (True = may attend) -> (b, H, n, d). ``memo``
+    (optional): folded masks of this forward, ``key`` naming this call's (``Folded``)."""
     n = q.shape[2]
     if n < MIN_QUERIES:
         extra = MIN_QUERIES - n
         q = torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
-        mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, -1)], dim=-2)
-    out = grouped_sdpa(q, k, v, mask) if gqa else F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out[:, :, :n]
+        if memo is None or key not in memo:
+            mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, -1)], dim=-2)
+    folded = None if memo is None else memo.get(key, mask)
+    if gqa:
+        return grouped_sdpa(q, k, v, mask, folded)[:, :, :n]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if folded is None else folded)[:, :, :n]
 
 
-def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 folded: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention with the query heads that share a key/value head folded into
     the query rows: one work item of the CPU kernel per key/value head instead of one per
-    query head. Same bits as ``enable_gqa=True`` (``tests/test_consistent.py``); no
-    speed figure is claimed (a whole one-token forward did not measurably change).
+    query head. Same bits as ``enable_gqa=True`` (``tests/test_consistent.py``).
 
     q: (b, H, n, d); k, v: (b, KV, L, d); mask: (n, L) or (b, 1, n, L) bool -> (b, H, n, d).
+    folded: ``fold_mask(mask, H // KV, q.dtype)`` when the caller already has it (``Folded``).
     Example: H 9, KV 3, n 4 -> q as (b, 3, 12, d); rows 0-3 of kv head 0 are query head 0's
     four queries, rows 4-7 head 1's, rows 8-11 head 2's, so mask rows repeat 3 times (row
     r takes mask row r % n).
     """
     b, h, n, d = q.shape
     kv = k.shape[1]
-    g = h // kv
-    folded = mask.repeat(g, 1) if mask.dim() == 2 else mask.repeat(1, 1, g, 1)
-    out = F.scaled_dot_product_attention(q.reshape(b, kv, g * n, d), k, v, attn_mask=folded)
+    if folded is None:
+        folded = fold_mask(mask, h // kv, q.dtype)
+    out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv * n, d), k, v, attn_mask=folded)
     return out.view(b, h, n, d)
+
+
+def fold_mask(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as ``grouped_sdpa`` hands it to the kernel: query rows repeated ``g``
+    times (row r takes row r % n) and additive in ``dtype`` (0 where allowed, -inf
+    elsewhere), the form SDPA itself converts a bool mask to on every call (same bits).
+    mask: (n, L) or (b, 1, n, L) -> (g * n, L) or (b, 1, g * n, L). Example: g 3, rows
+    [[T, F]] -> [[0, -inf]] * 3."""
+    rows = mask.repeat(g, 1) if mask.dim() == 2 else mask.repeat(1, 1, g, 1)
+    return torch.zeros(rows.shape, dtype=dtype, device=mask.device).masked_fill_(~rows, float("-inf"))
+
+
+class Folded:
+    """The folded masks of one forward (``fold_mask``), made at its first layer and reused by
+    the others instead of a repeat and SDPA's own bool-to-additive conversion per layer.
+    A key names one attention call of the forward (its rows and key count)."""
+
+    def __init__(self, g: int, dtype: torch.dtype):
+        self.g, self.dtype = g, dtype  # g: query heads per key/value head (1 without GQA)
+        self.masks: dict[tuple, torch.Tensor] = {}
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.masks
+
+    def get(self, key: tuple, mask: torch.Tensor) -> torch.Tensor:
+        """The folded ``mask`` stored under ``key``; ``mask`` (bool) is folded on a miss."""
+        out = self.masks.get(key)
+        if out is None:
+            out = self.masks[key] = fold_mask(mask, self.g, self.dtype)
+        return out
 
 
 def tree_paths(ancestors: list[list[int]]) -> list[tuple[list[int], list[int]]]:
@@ -208,22 +247,26 @@ class PathAttention:
                                     in_place))
         self.parts.sort(key=lambda part: not part.in_place)  # in-place paths first, before any copy
         self.copies = not all(part.in_place for part in self.parts)
+        self.memo: Folded | None = None  # the parts' folded masks, made at the first layer
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
         """q: (b, H, n, d); k, v: (b, KV, n, d) of the tree's nodes -> (b, H, n, d). The
         cache slots [past, past + n) hold the nodes in node order on return."""
         K, V, past, n = self.k_cache[layer], self.v_cache[layer], self.past, k.shape[2]
+        if self.memo is None:
+            self.memo = Folded(q.shape[1] // k.shape[1] if gqa else 1, q.dtype)
         K[:, :, past:past + n] = k
         V[:, :, past:past + n] = v
         if len(self.parts) == 1 and not self.copies and self.size == n:  # a chain: one call
-            return attend_groups(q, K, V, self.parts[0].mask, gqa, self.parts[0].groups)
+            return attend_groups(q, K, V, self.parts[0].mask, gqa, self.parts[0].groups, self.memo)
         out = q.new_zeros(q.shape) if self.size < n else q.new_empty(q.shape)
-        for part in self.parts:
+        for i, part in enumerate(self.parts):
             if not part.in_place:
                 m = part.path.numel()
                 K[:, :, past:past + m] = k.index_select(2, part.path)
                 V[:, :, past:past + m] = v.index_select(2, part.path)
-            out[:, :, part.rows] = attend_groups(q.index_select(2, part.rows), K, V, part.mask, gqa, part.groups)
+            out[:, :, part.rows] = attend_groups(q.index_select(2, part.rows), K, V, part.mask, gqa, part.groups,
+                                                 self.memo, (i,))
         if self.copies:  # node order again, for compaction
             K[:, :, past:past + n] = k
             V[:, :, past:past + n] = v
