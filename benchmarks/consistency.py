@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--contexts", type=int, default=20)
     ap.add_argument("--off", action="store_true", help="no row-consistent padding")
-    ap.add_argument("--quant", default="none", help="none | int8 (weight-only)")
+    ap.add_argument("--quant", default="none", help="none | int8 | int4 (weight-only)")
     ap.add_argument("--chain", action="store_true", help="every node of a chain of 8, not only the root")
     ap.add_argument("--tree", action="store_true", help="every node of a branching 9-node tree")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
-"""Weight-only int8 (``--quant int8``): the kernel, the fast decoder on it, and refusals.
+"""Weight-only int8 / int4 (``--quant int8|int4``): the kernels, the fast decoder on them, and refusals.
 
-int8 is lossy against the unquantized model; what must hold is that speculation over the
+Both are lossy against the unquantized model; what must hold is that speculation over the
 int8 model gives that model's own plain greedy tokens, and that a row's output does not
 depend on the other rows of its forward (the bf16 row consistency of ``fast.consistent``).
 """
@@ -12,7 +12,7 @@ import torch
 from test_fast_model import pair, reference_greedy, tree_greedy
 
 from cadence.errors import CadenceError
-from cadence.fast.kernels import Linear, quantize_int8
+from cadence.fast.kernels import INT4_GROUP, Linear, dequantize_int4, int4_fits, quantize_int4, quantize_int8
 from cadence.fast.model import FastBackbone, check_quant
 
 
@@ -38,19 +38,50 @@ def test_int8_linear_is_the_dequantized_product_and_row_consistent(dtype):
     assert lin.nbytes() == 96 * 48 + 96 * 2 * w.element_size()  # int8 weights + scales + bias
 
 
-def test_int8_backbone_speculates_to_its_own_greedy_tokens():
+def test_quantize_int4_keeps_every_weight_within_half_a_step_of_its_group():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 2 * INT4_GROUP, generator=g)
+    w[0, :INT4_GROUP] = torch.linspace(-0.3, 1.2, INT4_GROUP)  # the docstring's group: step 0.1
+    packed, pairs = quantize_int4(w)
+    assert packed.dtype == torch.uint8 and pairs.shape == (2, 32, 2)
+    assert torch.allclose(pairs[0, 0], torch.tensor([0.1, -0.3 + 0.8]), atol=1e-6)
+    step = pairs[..., 0].T.repeat_interleave(INT4_GROUP, dim=1)  # (out, in): each weight's group step
+    deq = dequantize_int4(packed, pairs, 32, 2 * INT4_GROUP)
+    assert ((deq - w).abs() <= step / 2 + 1e-5).all()
+    assert int4_fits(w) and not int4_fits(torch.zeros(100, 64)) and not int4_fits(torch.zeros(32, 48))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_is_the_dequantized_product_and_row_consistent(dtype):
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
+    lin = Linear(w, b, "int4")
+    assert lin.kind == "int4"
+    x = torch.randn(9, 64).to(dtype)
+    want = x.float() @ lin.to_dense().float().T + b.float()
+    assert torch.allclose(lin(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    full = lin(x)
+    for m in (1, 2, 3, 4, 5):
+        assert torch.equal(lin(x[2:2 + m]), full[2:2 + m]), m
+    assert lin.nbytes() < 96 * 64  # under a byte per weight (half a byte + group scales + bias)
+    odd = Linear(torch.randn(100, 64).to(dtype), None, "int4")  # out not a multiple of 16: int8
+    assert odd.kind == "int8" and odd(x).shape == (9, 100)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_backbone_speculates_to_its_own_greedy_tokens(quant):
     """Close to the unquantized model, and greedy tree decoding with compaction (accepted
-    paths like [0, 2, 3]) reproduces the int8 model's plain greedy tokens."""
+    paths like [0, 2, 3]) reproduces the quantized model's plain greedy tokens."""
     ref, _ = pair("llama", seed=3)
     copy = type(ref.model)(ref.model.config).float()
     copy.load_state_dict(ref.model.state_dict())
-    q8 = FastBackbone(copy, ref.tokenizer, "q8", quant="int8")
+    q = FastBackbone(copy, ref.tokenizer, "q", quant=quant)
     prompt = list(range(40, 52))
     ids = torch.tensor([prompt])
-    a, b = ref.forward(ids).logits, q8.forward(ids).logits
-    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
-    expected = reference_greedy(q8, prompt, 24)
-    got, steps = tree_greedy(q8, prompt, 24, expected)
+    a, b = ref.forward(ids).logits, q.forward(ids).logits
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > (0.99 if quant == "int8" else 0.8)  # 4-bit random weights: ~9% error per matrix
+    expected = reference_greedy(q, prompt, 24)
+    got, steps = tree_greedy(q, prompt, 24, expected)
     assert got == expected and steps < 20
 
 
@@ -60,9 +91,10 @@ def test_quant_settings_are_refused_clearly(tmp_path):
     from cadence.backbone import load_backbone
 
     with pytest.raises(CadenceError, match="unknown --quant"):
-        check_quant("int4", torch.device("cpu"), torch.float32)
-    with pytest.raises(CadenceError, match="CPU only"):
-        check_quant("int8", torch.device("cuda"), torch.bfloat16)
+        check_quant("int2", torch.device("cpu"), torch.float32)
+    for quant in ("int8", "int4"):
+        with pytest.raises(CadenceError, match="CPU only"):
+            check_quant(quant, torch.device("cuda"), torch.bfloat16)
     model = tiny_model_dir(tmp_path)
     with pytest.raises(CadenceError, match="needs the fast backend"):
         load_backbone(str(model), "float32", "cpu", backend="transformers", quant="int8")

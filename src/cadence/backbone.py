@@ -285,7 +285,7 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
 
     backend: ``transformers`` runs transformers' own forward; ``fast`` the compact decoder
     of ``cadence.fast`` (Llama/Qwen families; an error for other models); ``auto`` the
-    fast one when the model is supported, else transformers. quant: ``none`` or ``int8``
+    fast one when the model is supported, else transformers. quant: ``none``, ``int8`` or ``int4``
     (weight-only, fast decoder on CPU only; lossy against the unquantized model)."""
     if backend not in BACKENDS:
         raise CadenceError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -12,6 +12,7 @@ import sys
 
 from cadence.cliargs import add_fields, from_args
 from cadence.errors import CadenceError
+from cadence.fast import QUANTS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -22,9 +23,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
                    help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "
                         "or auto (fast where supported)")
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
-                   help="int8: weight-only int8 projections and LM head (fast backend, CPU; LOSSY against "
-                        "the unquantized model, speculation stays identical to plain int8 decoding)")
+    p.add_argument("--quant", default="none", choices=list(QUANTS),
+                   help="int8 | int4: weight-only int8 / 4-bit (groups of 32, like llama.cpp's Q4_1) projections "
+                        "and LM head (fast backend, CPU; LOSSY against the unquantized model, speculation stays "
+                        "identical to plain decoding of the quantized model)")
 
 
 def _generate_parser(sub) -> None:

@@ -18,6 +18,7 @@ def register(subparsers) -> None:
     from cadence.bench.peers import PEERS
     from cadence.bench.runner import ENGINE_METHODS
     from cadence.bench.tasks import TASKS
+    from cadence.fast import QUANTS
 
     p = subparsers.add_parser(
         "bench", help="benchmark decoding methods and peers (Spec-Bench-style report)",
@@ -50,9 +51,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a HF model directory, or a .gguf file")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU and on CPUs where bf16 is lossless: native bf16 + oneDNN + the fast path; else float32) | float32 | bfloat16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
-                   help="int8: weight-only int8 backbone (LOSSY against the unquantized model; every method, "
-                        "vanilla included, runs the same int8 model)")
+    p.add_argument("--quant", default="none", choices=list(QUANTS),
+                   help="int8 | int4: weight-only quantized backbone (LOSSY against the unquantized model; every "
+                        "method, vanilla included, runs the same quantized model)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                    help="print the difference between two results.json files (or run directories) and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -57,7 +57,7 @@ class BenchConfig:
     out: str = "bench-results"
     model: str = "smollm2"
     dtype: str = "auto"
-    quant: str = "none"  # none | int8 (weight-only; the backbone every method runs, vanilla included)
+    quant: str = "none"  # none | int8 | int4 (weight-only; the backbone every method runs, vanilla included)
     device: str = "auto"
     custom: str | None = None  # JSONL file for the custom task
     subset_seed: int = 0

@@ -16,6 +16,8 @@ from __future__ import annotations
 from cadence.errors import CadenceError
 from cadence.fast.arch import unsupported_reason
 
+QUANTS = ("none", "int8", "int4")  # --quant: weight-only quantization of the fast decoder (``kernels``)
+
 
 def make_fast(backbone, backend: str = "auto", **kwargs):
     """``backbone`` itself for ``transformers``; a ``FastBackbone`` over the same model for
@@ -33,4 +35,4 @@ def make_fast(backbone, backend: str = "auto", **kwargs):
     return FastBackbone.from_backbone(backbone, **kwargs)
 
 
-__all__ = ["make_fast", "unsupported_reason"]
+__all__ = ["QUANTS", "make_fast", "unsupported_reason"]

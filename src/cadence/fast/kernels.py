@@ -14,6 +14,12 @@ Knows: three ways to compute ``x @ W.T + b`` and when each applies.
   do not depend on the other rows (tested), so it keeps bf16's row consistency. On the Zen
   5 EPYC, cache-hot, M = 1/2/4/8 rows: LM head 0.85/0.71/0.88/1.82 ms against 1.06/1.14/
   1.25/1.40 for prepacked bf16; past about 4 rows its dequantize-then-multiply is compute-bound.
+- ``int4``: weight-only 4-bit (``--quant int4``, lossy against the unquantized model, the
+  class of llama.cpp's Q4_1): groups of ``INT4_GROUP`` input weights share a bf16 scale and
+  minimum (``quantize_int4``), ``torch.ops.aten._weight_int4pack_mm_for_cpu``. A quarter of
+  bf16's bytes; its rows do not depend on the other rows either (tested). Needs out % 16 == 0
+  and in % INT4_GROUP == 0; a matrix that does not fit falls back to ``int8``. Where it wins
+  depends on the CPU: ``benchmarks/verify_cost.py --quant int4`` measures it.
 Does not know: which weights are fused (``model`` decides) or how long anything takes on a
 machine it has not run on; ``benchmarks/verify_cost.py`` measures that.
 """
@@ -25,7 +31,8 @@ import torch.nn.functional as F
 
 from cadence.fast.cpu import onednn_available
 
-KINDS = ("auto", "onednn", "onednn-dense", "aten", "int8")
+KINDS = ("auto", "onednn", "onednn-dense", "aten", "int8", "int4")
+INT4_GROUP = 32  # input weights per scale/minimum pair (llama.cpp's Q4_1 blocks are 32 too)
 # the resolved overload: calling the packet (``torch.ops.mkldnn._linear_pointwise``) picks the
 # overload again on every call, about 4 us each, 121 calls per SmolLM2 forward
 _ONEDNN = torch.ops.mkldnn._linear_pointwise.default if onednn_available() else None
@@ -35,7 +42,7 @@ PACK_ROWS = 8  # oneDNN's batch-size hint when prepacking; measured fastest for 
 def resolve_kind(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r}; choose one of {KINDS}")
-    if kind == "int8":
+    if kind in ("int8", "int4"):
         return kind
     cpu_ok = device.type == "cpu" and onednn_available() and dtype in (torch.float32, torch.bfloat16)
     if kind == "auto":
@@ -59,7 +66,11 @@ class Linear:
         if kind == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
             self.dense = None
-        elif kind == "int8":
+        elif kind == "int4" and int4_fits(w):
+            self.w, self.scale = quantize_int4(w)
+            self.dense = None
+        elif kind in ("int8", "int4"):  # int4 that does not fit the kernel's shapes: int8
+            self.kind = "int8"
             self.w, self.scale = quantize_int8(w)
             self.dense = None
         else:
@@ -69,15 +80,18 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "aten":
             return F.linear(x, self.w, self.bias)
-        if self.kind != "int8" and x.numel() >= self.min_rows * self.in_features and x.is_contiguous():
+        if self.kind not in ("int8", "int4") and x.numel() >= self.min_rows * self.in_features and x.is_contiguous():
             return _ONEDNN(x, self.w, self.bias, "none", [], "")  # (..., in) as is: same bits as 2-D
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
         if m < self.min_rows:
             x2 = torch.cat([x2, x2[-1:].expand(self.min_rows - m, -1)])
-        if self.kind == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.w, self.scale)
+        if self.kind in ("int8", "int4"):
+            if self.kind == "int8":
+                y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.w, self.scale)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.w, INT4_GROUP, self.scale)
             if self.bias is not None:
                 y = y + self.bias
         else:
@@ -90,10 +104,13 @@ class Linear:
             return self.dense
         if self.kind == "int8":
             return (self.w.float() * self.scale.float()[:, None]).to(self.scale.dtype)
+        if self.kind == "int4":
+            return dequantize_int4(self.w, self.scale, self.out_features, self.in_features)
         return self.w.to_dense()
 
     def nbytes(self) -> int:
-        n = self.out_features * self.in_features * torch.empty((), dtype=self.w.dtype).element_size()
+        n = self.w.numel() * self.w.element_size() if self.kind == "int4" else \
+            self.out_features * self.in_features * torch.empty((), dtype=self.w.dtype).element_size()
         n += 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
@@ -106,3 +123,34 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (wf.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
     q = (wf / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
     return q, scale.to(w.dtype)
+
+
+def int4_fits(w: torch.Tensor) -> bool:
+    """Whether ``_weight_int4pack_mm_for_cpu`` takes w (out, in): CPU, out a multiple of 16
+    and in a multiple of INT4_GROUP. Example: SmolLM2's (960, 576) qkv fits; (100, 64) does not."""
+    out, inp = w.shape
+    return w.device.type == "cpu" and out % 16 == 0 and inp % INT4_GROUP == 0
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups along the input dimension: each run of INT4_GROUP weights of a
+    row keeps its minimum m and step s = (max - m) / 15, and a weight becomes q in [0, 15]
+    with W ~ q * s + m. w: (out, in) -> (packed (out, in / 2) uint8 in the kernel's layout,
+    scales_and_zeros (in / INT4_GROUP, out, 2) in w's dtype: [s, m + 8 s], the kernel's
+    convention, which reads W = (q - 8) * s + zero). Example: a group spanning [-0.3, 1.2]
+    -> s = 0.1, 0.45 -> q = round(7.5) = 8 -> 0.5; every weight within s / 2 of its original."""
+    out, inp = w.shape
+    g = w.detach().float().reshape(out, inp // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    step = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = ((g - lo) / step).round().clamp(0, 15).to(torch.int32).reshape(out, inp)
+    pairs = torch.cat([step, lo + 8 * step], dim=-1)  # (out, groups, 2)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    return packed, pairs.transpose(0, 1).contiguous().to(w.dtype)
+
+
+def dequantize_int4(packed: torch.Tensor, pairs: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """W (out, in) from ``quantize_int4``'s output, through the kernel itself (an identity
+    input), so it is exactly what the kernel multiplies by (up to the output rounding)."""
+    eye = torch.eye(inp, dtype=pairs.dtype, device=packed.device)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, INT4_GROUP, pairs).T.contiguous()

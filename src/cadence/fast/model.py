@@ -25,21 +25,18 @@ import torch.nn.functional as F
 
 from cadence.backbone import Backbone, ForwardOut
 from cadence.errors import CadenceError
-from cadence.fast import arch, consistent, rope
+from cadence.fast import QUANTS, arch, consistent, rope
 from cadence.fast.cache import BatchKVCache, StaticKVCache
 from cadence.fast.kernels import Linear, resolve_kind
 
 
-QUANTS = ("none", "int8")
-
-
 def check_quant(quant: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``--quant``: none, or int8 (weight-only, CPU: lossy against the unquantized model;
-    speculative output is then compared with plain decoding of the same int8 model)."""
+    """``--quant``: none, int8 or int4 (weight-only, CPU: lossy against the unquantized
+    model; speculative output is then compared with plain decoding of the same quantized model)."""
     if quant not in QUANTS:
         raise CadenceError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANTS)}")
-    if quant == "int8" and device.type != "cpu":
-        raise CadenceError("--quant int8 runs on CPU only (weight-only int8 through torch's CPU kernel)")
+    if quant != "none" and device.type != "cpu":
+        raise CadenceError(f"--quant {quant} runs on CPU only (weight-only {quant} through torch's CPU kernels)")
     return quant
 
 
@@ -82,14 +79,14 @@ class FastBackbone(Backbone):
         self.spec = arch.check(model.config)
         self.kernel = resolve_kind(kernel, self.device, self.dtype)
         self.quant = check_quant(quant, self.device, self.dtype)
-        self.layer_kind = "int8" if self.quant == "int8" else self.kernel  # the projections' kernel
+        self.layer_kind = self.quant if self.quant != "none" else self.kernel  # the projections' kernel
         self.pack_head = pack_head and self.kernel == "onednn"
         self._layers: list[_Layer] = []
         self._released: list = []  # (module, name, fused Linear, row slice) to rebuild on demand
         self._build()
         self.rope = rope.RopeTable(model.model.rotary_emb, self.max_positions, self.dtype, self.device)
         head_kind = "onednn" if self.pack_head else ("onednn-dense" if self.kernel.startswith("onednn") else "aten")
-        self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
+        self._head = Linear(self.lm_head.weight, self.lm_head.bias, self.quant if self.quant != "none" else head_kind)
         self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
         self.chains_only = self.consistent  # a branching tree attends once per path (``PathAttention``)
         if self.consistent:
@@ -163,7 +160,7 @@ class FastBackbone(Backbone):
         out = {"layers": fused, "embed": emb.numel() * emb.element_size(),
                "lm_head": 0 if head_shared else self._head.nbytes(),
                "packed_head_copy": self._head.nbytes() if self.pack_head or self.quant != "none" else 0,
-               "dense_layer_copy": 0 if self.layer_kind not in ("onednn", "int8") or self._released else fused}
+               "dense_layer_copy": 0 if self.layer_kind not in ("onednn", "int8", "int4") or self._released else fused}
         out["total"] = sum(out.values())
         return out
 
