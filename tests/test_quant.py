@@ -100,3 +100,27 @@ def test_quant_settings_are_refused_clearly(tmp_path):
         load_backbone(str(model), "float32", "cpu", backend="transformers", quant="int8")
     bb = load_backbone(str(model), "float32", "cpu", quant="int8")
     assert isinstance(bb, FastBackbone) and bb.quant == "int8"
+
+
+def test_int4_leaves_the_head_unquantized_and_latency_curves_are_per_kernels():
+    """The LM head stays in the model's dtype under int4 (4-bit GGUF files keep it at 8 bits
+    or more), and a verify-latency curve measured with other kernels is not reused."""
+    from cadence.latency import machine_key
+
+    ref, _ = pair("llama", seed=3)
+    keys = {}
+    for quant in ("none", "int8", "int4"):
+        copy = type(ref.model)(ref.model.config).float()
+        copy.load_state_dict(ref.model.state_dict())
+        bb = FastBackbone(copy, ref.tokenizer, "q", quant=quant)
+        keys[quant] = (machine_key(bb), bb.kernels)
+        if quant == "int4":
+            assert bb._head.kind not in ("int4", "int8")
+            assert all(layer.gate_up.kind == "int4" for layer in bb._layers)  # (256, 64): fits the kernel
+    assert len({k for k, _ in keys.values()}) == 3
+    assert keys["int8"][1] == "int8/int8" and keys["int4"][1].startswith("int4/")
+    from cadence.fast.cpu import onednn_available
+    if onednn_available():  # same dtype and quant, other kernels: another curve
+        dense = FastBackbone(type(ref.model)(ref.model.config).float(), ref.tokenizer, "q", kernel="aten")
+        assert dense.kernels == "aten/aten" != keys["none"][1]
+        assert machine_key(dense) != keys["none"][0]

@@ -75,6 +75,8 @@ def machine_key(backbone) -> str:
         parts.append("chains")  # its curve is measured on chains
     if getattr(backbone, "quant", "none") != "none":
         parts.append(f"quant={backbone.quant}")
+    if getattr(backbone, "kernels", None):
+        parts.append(f"kernels={backbone.kernels}")  # a kernel change invalidates the curve
     digest = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
     return f"{backbone.name}-{str(backbone.dtype).replace('torch.', '')}-{digest}"
 

@@ -86,7 +86,13 @@ class FastBackbone(Backbone):
         self._build()
         self.rope = rope.RopeTable(model.model.rotary_emb, self.max_positions, self.dtype, self.device)
         head_kind = "onednn" if self.pack_head else ("onednn-dense" if self.kernel.startswith("onednn") else "aten")
-        self._head = Linear(self.lm_head.weight, self.lm_head.bias, self.quant if self.quant != "none" else head_kind)
+        if self.quant == "int4" and self.kernel == "onednn":
+            head_kind = "onednn"  # packed: the int4 layers release their dense copies anyway
+        # int4 leaves the LM head unquantized, as 4-bit GGUF files keep the embedding / output at
+        # 8 bits or more (the default model's Q4_1 file: token_embd Q8_0): a 4-bit head cost 7
+        # points of top-1 agreement with the unquantized model (``benchmarks/quant_quality.py``),
+        # and torch's int8 kernel took 3.0 ms against bf16's 1.6 ms for 4 rows on a Zen 5 EPYC
+        self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
         self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
         self.chains_only = self.consistent  # a branching tree attends once per path (``PathAttention``)
         if self.consistent:
@@ -152,6 +158,11 @@ class FastBackbone(Backbone):
             self._layers.append(layer)
         self.final_norm = self.model.model.norm.weight.detach()
 
+    @property
+    def kernels(self) -> str:
+        """The projections' and the LM head's kernels, e.g. ``int4/onednn`` (latency curves are per kernels)."""
+        return f"{self.layer_kind}/{self._head.kind}"
+
     def resident_bytes(self) -> dict:
         """Bytes held by the fast path's weights and by the transformers tensors it shares."""
         fused = sum(lin.nbytes() for layer in self._layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -159,7 +170,7 @@ class FastBackbone(Backbone):
         head_shared = self.lm_head.weight.data_ptr() == emb.data_ptr()
         out = {"layers": fused, "embed": emb.numel() * emb.element_size(),
                "lm_head": 0 if head_shared else self._head.nbytes(),
-               "packed_head_copy": self._head.nbytes() if self.pack_head or self.quant != "none" else 0,
+               "packed_head_copy": self._head.nbytes() if self._head.kind in ("onednn", "int8", "int4") else 0,
                "dense_layer_copy": 0 if self.layer_kind not in ("onednn", "int8", "int4") or self._released else fused}
         out["total"] = sum(out.values())
         return out

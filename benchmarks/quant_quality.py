@@ -1,0 +1,141 @@
+"""How far is a quantized backbone from the unquantized one? cadence's --quant int8 / int4
+against llama.cpp's GGUF (Q4_1 for the default model), on the bench prompts.
+
+The reference is the unquantized model (``--dtype``, default auto: bf16 on CPUs with native
+bf16) decoding each prompt greedily. Every model then reads the prompt and that reply in
+one teacher-forced forward, and at each reply position we count:
+
+- top-1 agreement: its argmax equals the reference's greedy token;
+- NLL: minus the log-probability it gives the reference's token (nats, mean over positions);
+  its exp is the perplexity of the reference's reply under that model.
+
+The unquantized model itself is listed too (teacher-forced: its agreement is just under 1.0
+where a batched forward and one-token decoding round differently). llama.cpp gets the same
+token ids (``llama_cpp.Llama(logits_all=True)``, its ``eval``) and is skipped when
+``llama_cpp`` is not importable. Speed is not measured here (``cadence bench --quant``).
+
+Usage:  python benchmarks/quant_quality.py [--quants int8 int4] [--limit 4] [--max-new-tokens 128]
+            [--out benchmarks/results/quant-quality-<cpu>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from cadence.backbone import load_backbone
+from cadence.bench import tasks as T
+from cadence.bench.peers import gguf_for, llama_cpp_available
+from cadence.machine import cpu_model, machine_info, machine_line
+
+TASKS = ("humaneval", "gsm8k", "sharegpt", "writing")
+
+
+@torch.inference_mode()
+def greedy(bb, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding through the backbone's cache, stopping at EOS."""
+    cache = bb.new_cache()
+    out = bb.forward(torch.tensor([prompt]), cache)
+    tokens = []
+    for _ in range(n):
+        t = int(out.logits[0, -1].argmax())
+        tokens.append(t)
+        if t in bb.eos_token_ids:
+            break
+        out = bb.forward(torch.tensor([[t]]), cache)
+    return tokens
+
+
+def score(logits: torch.Tensor, reply: list[int]) -> tuple[int, float]:
+    """logits: (len(reply), V) predicting each reply token -> (argmax matches, summed NLL)."""
+    target = torch.tensor(reply)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return int((logits.argmax(-1) == target).sum()), float(-logp.gather(1, target[:, None]).sum())
+
+
+@torch.inference_mode()
+def torch_logits(bb, prompt: list[int], reply: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + reply])
+    return bb.forward(ids).logits[0, len(prompt) - 1:len(prompt) + len(reply) - 1]
+
+
+def llama_logits(llm, prompt: list[int], reply: list[int]) -> torch.Tensor:
+    llm.reset()
+    llm.eval(prompt + reply)
+    return torch.from_numpy(llm.scores[len(prompt) - 1:len(prompt) + len(reply) - 1].copy())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quants", nargs="+", default=["int8", "int4"])
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS))
+    ap.add_argument("--limit", type=int, default=4, help="prompts per task (the bench's seeded subset)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    ref = load_backbone(args.model, args.dtype, backend="fast")
+    models = {f"cadence {ref.dtype} (reference)".replace("torch.", ""): ref}
+    for q in args.quants:
+        models[f"cadence --quant {q}"] = load_backbone(args.model, args.dtype, backend="fast", quant=q)
+    llm = None
+    ok, why = llama_cpp_available()
+    gguf = gguf_for(args.model)
+    if ok and gguf is not None:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=str(gguf), n_threads=2, n_ctx=2048, logits_all=True, verbose=False)
+        match = re.search(r"\.(Q\w+|F16|F32|BF16)\.gguf$", gguf.name, re.IGNORECASE)
+        llama_name = f"llama.cpp {match.group(1) if match else gguf.name}"
+    else:
+        llama_name = None
+        print(why or f"llama.cpp skipped: {args.model} has no GGUF file")
+
+    names = list(models) + ([llama_name] if llm is not None else [])
+    totals = {n: {"positions": 0, "agree": 0, "nll": 0.0} for n in names}
+    for task in args.tasks:
+        items = T.seeded_subset(T.load_task(task).items, args.limit)
+        for it in items:
+            prompt = ref.encode_prompt(it.prompt, chat=True)
+            reply = greedy(ref, prompt, args.max_new_tokens)
+            for name, bb in models.items():
+                a, nll = score(torch_logits(bb, prompt, reply), reply)
+                t = totals[name]
+                t["positions"] += len(reply)
+                t["agree"] += a
+                t["nll"] += nll
+            if llm is not None:
+                a, nll = score(llama_logits(llm, prompt, reply), reply)
+                t = totals[llama_name]
+                t["positions"] += len(reply)
+                t["agree"] += a
+                t["nll"] += nll
+            print(f"{task} {it.key}: {len(reply)} reply tokens", flush=True)
+
+    rows = {}
+    for name, t in totals.items():
+        n = max(t["positions"], 1)
+        rows[name] = {"positions": t["positions"], "top1_agreement": t["agree"] / n, "nll": t["nll"] / n,
+                      "perplexity": math.exp(t["nll"] / n)}
+    info = machine_info()
+    print(f"\n{machine_line(info)}\n")
+    print("| model | reply positions | top-1 agreement with the reference | NLL (nats) | perplexity |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['positions']} | {r['top1_agreement']:.3f} | {r['nll']:.3f} | {r['perplexity']:.2f} |")
+    out = Path(args.out or f"benchmarks/results/quant-quality-{re.sub(r'[^a-z0-9]+', '-', cpu_model().lower()).strip('-')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "model": args.model, "tasks": args.tasks, "limit": args.limit,
+                               "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
