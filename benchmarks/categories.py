@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--quant", default="none", help="none | int8 (weight-only; vanilla runs the same model)")
+    ap.add_argument("--quant", default="none", help="none | int8 | int4 (weight-only; vanilla runs the same model)")
     ap.add_argument("--prompts", default=str(PROMPTS))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "categories.json"))
     args = ap.parse_args()

@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="backbone dtype: auto | float32 | bfloat16")
     ap.add_argument("--skip-generate", action="store_true", help="only the forward-cost curve")
-    ap.add_argument("--quant", default="none", help="none | int8 (weight-only)")
+    ap.add_argument("--quant", default="none", help="none | int8 | int4 (weight-only)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="tree sizes to time")
     ap.add_argument("--shape", default="auto", choices=["auto", "chain", "bushy"],
                     help="probe trees: auto = what the backbone's trees are (chains where chains_only)")

@@ -1,0 +1,88 @@
+"""Which projection kernel suits this CPU? Milliseconds per call of each ``cadence.fast.kernels``
+kind on the default model's matrix shapes, for a few row counts (tree nodes).
+
+Weights are "cold" as in a real forward, where each matrix is read once per token and the
+whole model does not fit in the cache: every timed call uses another copy of the matrix
+(enough copies to exceed 64 MiB), except the LM head, which is big enough on its own. The
+figure is the median over rounds of the mean per call. Kinds: ``onednn`` (prepacked bf16 /
+fp32, the default), ``int8`` (``--quant int8``), ``int4`` (``--quant int4``'s projections).
+
+Usage:  python benchmarks/kernel_cost.py [--dtype bfloat16] [--rows 1 4 8] [--rounds 5]
+Writes benchmarks/results/kernel-cost-<cpu>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cadence.fast.kernels import Linear
+from cadence.machine import cpu_model, machine_info, machine_line
+
+# SmolLM2-135M: fused q/k/v, o, fused gate/up, down, LM head (out, in)
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+KINDS = ("onednn", "int8", "int4")
+COLD_BYTES = 64 << 20
+
+
+def time_kind(kind: str, shape: tuple[int, int], rows: int, dtype: torch.dtype, rounds: int) -> float:
+    out, inp = shape
+    copies = max(1, COLD_BYTES // (out * inp * 2))
+    gen = torch.Generator().manual_seed(0)
+    lins = [Linear((torch.randn(out, inp, generator=gen) * 0.05).to(dtype), None, kind) for _ in range(copies)]
+    for lin in lins:
+        lin.min_rows = 2  # as the row-consistent bf16 path pads them
+    x = torch.randn(rows, inp, generator=gen).to(dtype)
+    reps = max(3, 64 // copies)
+    for lin in lins:
+        lin(x)
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for lin in lins:
+                lin(x)
+        per_round.append((time.perf_counter() - t0) / (reps * copies) * 1e3)
+    return statistics.median(per_round)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    table = {}
+    for name, shape in SHAPES.items():
+        for kind in KINDS:
+            for rows in args.rows:
+                table.setdefault(name, {}).setdefault(kind, {})[rows] = round(
+                    time_kind(kind, shape, rows, dtype, args.rounds), 4)
+    info = machine_info()
+    print(f"{machine_line(info)}; {args.dtype}, cold weights\n")
+    print("| matrix (out x in) | " + " | ".join(f"{k} {r} rows" for k in KINDS for r in args.rows) + " |")
+    print("|---|" + "---:|" * (len(KINDS) * len(args.rows)))
+    for name, shape in SHAPES.items():
+        cells = " | ".join(f"{table[name][k][r]:.3f}" for k in KINDS for r in args.rows)
+        print(f"| {name} ({shape[0]} x {shape[1]}) | {cells} |")
+    per_layer = {k: {r: round(sum(table[n][k][r] for n in ("qkv", "o", "gate_up", "down")), 4) for r in args.rows}
+                 for k in KINDS}
+    print("| one decoder layer | " + " | ".join(f"{per_layer[k][r]:.3f}" for k in KINDS for r in args.rows) + " |")
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
+    out = Path(args.out or f"benchmarks/results/kernel-cost-{slug}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "dtype": args.dtype, "ms": table, "decoder_layer_ms": per_layer},
+                              indent=2))
+    print(f"\nwrote {out} (milliseconds per call)")
+
+
+if __name__ == "__main__":
+    main()
