@@ -25,11 +25,27 @@ def test_a_padded_gemm_gives_a_row_the_bits_it_gets_in_any_batch():
     w = (torch.randn(576, 1536) * 0.03).to(torch.bfloat16)
     x = (torch.randn(64, 1536) * 2).to(torch.bfloat16)
     lin = Linear(w, None, "onednn")
-    lin.min_rows = consistent.MIN_ROWS
+    lin.min_rows, lin.max_rows = consistent.MIN_ROWS, consistent.MAX_ROWS
     full = lin(x)
     for i in range(64):
         assert torch.equal(lin(x[i:i + 1])[0], full[i])
     assert torch.equal(lin(x[5:13]), full[5:13])
+
+
+@needs_onednn
+def test_a_gemm_of_more_than_max_rows_gives_each_row_its_small_batch_bits():
+    """On the AMX Xeon (session 12) oneDNN took another bf16 kernel from M = 33 rows on:
+    every row of a 33- to 64-row call differed from the same row in a call of 2-32 rows.
+    Calls are split into blocks of at most MAX_ROWS rows (2-D and 3-D inputs alike)."""
+    torch.manual_seed(0)
+    w = (torch.randn(960, 576) * 0.03).to(torch.bfloat16)
+    x = (torch.randn(100, 576) * 2).to(torch.bfloat16)
+    lin = Linear(w, None, "onednn")
+    lin.min_rows, lin.max_rows = consistent.MIN_ROWS, consistent.MAX_ROWS
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(100)])
+    for m in (33, 64, 65, 100):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+    assert torch.equal(lin(x[None, :40])[0], alone[:40])
 
 
 def test_attend_pads_queries_and_returns_only_the_real_rows():
@@ -55,6 +71,7 @@ def test_bf16_tree_and_one_token_forwards_agree_on_the_root():
     plain.model.to(torch.bfloat16)
     bb = FastBackbone.from_backbone(plain)
     assert bb.consistent == consistent.wanted(bb.kernel, bb.dtype) == bb.chains_only
+    assert {lin.max_rows for lin in [bb._head] + [bb._layers[0].down]} == {consistent.MAX_ROWS if bb.consistent else 0}
     gen = torch.Generator().manual_seed(0)
     for past in (10, 70, 130, 200, 260, 330, 390):  # no tree below reaches into the next 64-key block
         cache = bb.new_cache()
@@ -244,27 +261,57 @@ def test_bf16_speculation_is_byte_identical_to_bf16_plain_decoding(right_rank):
     """End to end in bf16: a branching static tree (and the batched engine) gives plain
     bf16 decoding's tokens, with drafts accepted on first paths, on sibling paths only, or
     never."""
-    from tiny import OracleDrafter
-
-    from cadence.batch.engine import BatchEngine
-    from cadence.batch.narrow import NarrowConfig
-    from cadence.engine import Engine, GenerationConfig
     from cadence.fast.model import FastBackbone
-    from cadence.schedulers import StaticScheduler
     from tiny import tiny_backbone
 
     plain = tiny_backbone("llama", hidden=768, layers=4)
     plain.model.to(torch.bfloat16)
-    bb = FastBackbone.from_backbone(plain)
+    _speculation_matches_plain_decoding(FastBackbone.from_backbone(plain), right_rank)
+
+
+@needs_onednn
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_bf16_speculation_over_weight_only_quantized_projections_is_byte_identical(quant):
+    """Over int8/int4 projections a forward of fewer than 4 rows is not padded up front
+    (their rows do not depend on the row count; attention and the bf16 head pad
+    themselves): speculation must still give plain decoding's tokens of that model."""
+    from cadence.fast.model import FastBackbone
+    from tiny import tiny_backbone
+
+    plain = tiny_backbone("llama", hidden=768, layers=4)
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain, quant=quant)
+    assert bb.consistent and not bb.pad_up_front
+    assert all(layer.qkv.kind == quant and layer.qkv.min_rows == 1 and not layer.qkv.max_rows for layer in bb._layers)
+    _speculation_matches_plain_decoding(bb, 0)
+
+
+def _speculation_matches_plain_decoding(bb, right_rank: int) -> None:
+    """Plain decoding's tokens from a branching tree and from a chain, serial and batched."""
+    from cadence.engine import Engine, GenerationConfig
+    from cadence.schedulers import StaticScheduler
+
     cfg = GenerationConfig(max_new_tokens=40)
     prompts = [bb.encode_prompt(p, chat=True) for p in ("Write a poem about the sea. " * 5, "Count to ten")]
     refs = [Engine(bb).generate(ids, cfg).tokens for ids in prompts]
-    tree = StaticScheduler.from_preset("tree-8", 3)
+    for name, branching in (("tree-8", True), ("chain-3", False)):
+        tree = StaticScheduler.from_preset(name, 3)
+        _each_prompt(bb, prompts, refs, tree, right_rank if branching or right_rank != 1 else None, cfg)
+
+
+def _each_prompt(bb, prompts, refs, tree, right_rank, cfg) -> None:
+    """right_rank None: the right token sits at rank 1, which a chain does not draft."""
+    from tiny import OracleDrafter
+
+    from cadence.batch.engine import BatchEngine
+    from cadence.batch.narrow import NarrowConfig
+    from cadence.engine import Engine
+
     for ids, ref in zip(prompts, refs):
-        drafter = OracleDrafter(ref, len(ids), 3, bb.vocab_size, right_rank=right_rank)
+        drafter = OracleDrafter(ref, len(ids), 3, bb.vocab_size, right_rank=1 if right_rank is None else right_rank)
         out = Engine(bb, drafter, tree).generate(ids, cfg)
         assert out.tokens == ref
-        if right_rank < 10_000:
+        if right_rank in (0, 1):
             assert out.stats.steps < len(ref)  # drafts were accepted
         be = BatchEngine(bb, drafter, tree, max_batch=2, narrow=NarrowConfig(mode="none"))
         rid, toks = be.add(ids, cfg), []
@@ -285,10 +332,13 @@ def test_pad_rows_repeats_the_last_row_and_hides_the_extra_ones():
 
 
 @pytest.mark.parametrize("b,n,L,four_d", [(1, 4, 256, False), (1, 9, 320, False), (2, 4, 128, True),
-                                           (1, 33, 200, False)])
+                                           (1, 33, 256, False), (1, 21, 200, False)])
 def test_grouped_sdpa_same_bits_as_enable_gqa(b, n, L, four_d):
     """Folding the query heads that share a key/value head into the query rows must give
-    enable_gqa's bits in bf16 (the row-consistent path relies on them) and its values in fp32."""
+    enable_gqa's bits in bf16 (the row-consistent path relies on them) and its values in fp32.
+    Key counts are whole 64-key blocks, as the row-consistent path pads them, or few queries:
+    on the AMX Xeon (session 12) 200 keys with 22 or more queries took other bits, in some
+    rows, than 200 keys with 4 (folded or not); at multiples of 64 keys none did (252 cases)."""
     from cadence.fast.consistent import grouped_sdpa
     g = torch.Generator().manual_seed(n * L + b)
     for dtype in (torch.bfloat16, torch.float32):

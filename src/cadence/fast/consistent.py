@@ -8,13 +8,14 @@ by up to 0.5 logits on the Zen 5 EPYC, so bf16 speculation was not lossless ther
 a bf16 verify over 8 nodes costs only 1.04 one-token forwards. Three kernels take a
 different path for small or ragged shapes (``benchmarks/consistency.py`` finds them):
 
-1. oneDNN GEMMs at M = 1 row against M >= 2 (the down projection, K = 1536);
+1. oneDNN GEMMs at M = 1 row against M >= 2 (the down projection, K = 1536), and on an
+   AMX Xeon at M <= 32 against M >= 33 (rows scattered through the call);
 2. PyTorch's CPU attention with fewer than 4 query rows against 4 or more;
 3. attention over a key count that is not a multiple of the kernel's key block (the
    last, partial block is reduced another way).
 
 The cure costs almost nothing in bf16, where 2 rows are no slower than 1: GEMM inputs are
-padded to ``MIN_ROWS`` rows, queries to ``MIN_QUERIES`` (repeats of the last row, their
+padded to ``MIN_ROWS`` rows and split into calls of at most ``MAX_ROWS``, queries to ``MIN_QUERIES`` (repeats of the last row, their
 outputs dropped), keys to a multiple of ``KEY_BLOCK`` (entries masked out, read from the
 cache's preallocated, zero-initialised buffer). A single-sequence forward of fewer than
 ``MIN_QUERIES`` rows is padded up front (``pad_rows``), so none of its calls pads again
@@ -48,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 MIN_ROWS = 2  # GEMM rows
+MAX_ROWS = 32  # GEMM rows per call: oneDNN on AMX takes another bf16 kernel from 33 rows on
 MIN_QUERIES = 4  # attention query rows
 KEY_BLOCK = 64  # attention keys are padded to a multiple of this
 KEY_ROOM = 64  # a forward at context ``past`` attends to key_length(past + KEY_ROOM) keys, whatever its n <= KEY_ROOM
@@ -123,7 +125,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
                  folded: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention with the query heads that share a key/value head folded into
     the query rows: one work item of the CPU kernel per key/value head instead of one per
-    query head. Same bits as ``enable_gqa=True`` (``tests/test_consistent.py``).
+    query head. Same bits as ``enable_gqa=True`` (``tests/test_consistent.py``) for key counts
+    in whole ``KEY_BLOCK``s (on the AMX Xeon, 200 keys with 22+ queries gave other bits).
 
     q: (b, H, n, d); k, v: (b, KV, L, d); mask: (n, L) or (b, 1, n, L) bool -> (b, H, n, d).
     folded: ``fold_mask(mask, H // KV, q.dtype)`` when the caller already has it (``Folded``).

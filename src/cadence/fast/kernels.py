@@ -59,6 +59,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
         self.kind = kind
         self.min_rows = 1  # inputs with fewer rows are padded (``consistent``: same bits at any M)
+        self.max_rows = 0  # 0: any; else more rows run in blocks of at most this many (``consistent``)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         w = weight.detach()
@@ -80,10 +81,21 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "aten":
             return F.linear(x, self.w, self.bias)
-        if self.kind not in ("int8", "int4") and x.numel() >= self.min_rows * self.in_features and x.is_contiguous():
+        rows = x.numel() // self.in_features
+        if (self.kind not in ("int8", "int4") and self.min_rows <= rows and x.is_contiguous()
+                and (not self.max_rows or rows <= self.max_rows)):
             return _ONEDNN(x, self.w, self.bias, "none", [], "")  # (..., in) as is: same bits as 2-D
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if not self.max_rows or rows <= self.max_rows:
+            return self._rows(x2).view(*lead, self.out_features)
+        y = x2.new_empty(rows, self.out_features)
+        for i in range(0, rows, self.max_rows):  # e.g. 70 rows, max 32: [0, 32), [32, 64), [64, 70)
+            y[i:i + self.max_rows] = self._rows(x2[i:i + self.max_rows])
+        return y.view(*lead, self.out_features)
+
+    def _rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (m, in) -> (m, out), padded to min_rows rows for the call."""
         m = x2.shape[0]
         if m < self.min_rows:
             x2 = torch.cat([x2, x2[-1:].expand(self.min_rows - m, -1)])
@@ -96,7 +108,7 @@ class Linear:
                 y = y + self.bias
         else:
             y = _ONEDNN(x2.contiguous(), self.w, self.bias, "none", [], "")
-        return y[:m].view(*lead, self.out_features)
+        return y[:m]
 
     def to_dense(self) -> torch.Tensor:
         """W (out, in) as a plain tensor: the kept one, oneDNN's unpacked, or int8's dequantized."""

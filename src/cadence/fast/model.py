@@ -95,9 +95,14 @@ class FastBackbone(Backbone):
         self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
         self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
         self.chains_only = self.consistent  # a branching tree attends once per path (``PathAttention``)
-        if self.consistent:
+        if self.consistent:  # weight-only int8/int4 rows do not depend on the row count (tested): no padding or blocks
             for lin in [self._head] + [getattr(layer, n) for layer in self._layers for n in ("qkv", "o", "gate_up", "down")]:
-                lin.min_rows = consistent.MIN_ROWS
+                lin.min_rows = 1 if lin.kind in ("int8", "int4") else consistent.MIN_ROWS
+                lin.max_rows = 0 if lin.kind in ("int8", "int4") else consistent.MAX_ROWS
+        # a forward of fewer than MIN_QUERIES rows is padded up front when its GEMMs would pad
+        # anyway (bf16 oneDNN: 2 rows cost what 4 do); over int8/int4 projections it runs its
+        # real rows and only attention (and a bf16 head) pad themselves: fewer rows, same bits
+        self.pad_up_front = self.consistent and self.layer_kind not in ("int8", "int4")
         self._hook = None
         if self._released:
             self._hook = self.model.register_forward_pre_hook(lambda mod, args: self._restore())
@@ -317,7 +322,7 @@ class FastBackbone(Backbone):
         past = cache.length() if cache is not None else 0
         real = n  # rows asked for; a row-consistent forward pads fewer to MIN_QUERIES up front
         given_tree = tree_mask is not None  # no mask = a chain: no layout check, padded or not
-        if (self.consistent and cache is not None and (past > 0 or tree_mask is not None)
+        if (self.pad_up_front and cache is not None and (past > 0 or tree_mask is not None)
                 and n < consistent.MIN_QUERIES):
             if position_ids is None:
                 position_ids = torch.arange(past, past + n, device=self.device).expand(b, n)
