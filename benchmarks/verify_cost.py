@@ -1,7 +1,9 @@
 """Verify-latency curve and plain decoding speed: fast path vs transformers, on this machine.
 
 1. The time of one backbone forward over n tree nodes (n = 1..64; a binary tree's mask
-   and positions, logits for every node, as a verify pass needs) on a fixed context, for
+   and positions, or with ``--shape chain`` a chain's: what the engine drafts on a
+   row-consistent bf16 backbone, where a branching tree attends once per root-to-leaf path;
+   logits for every node, as a verify pass needs) on a fixed context, for
    each backend and dtype (fp32; bf16 only where the CPU computes bf16 natively), median of
    interleaved repetitions (every rep runs every (backend, n) once; the backend order
    alternates), relative to n = 1, and the knee: the first n whose cost exceeds 1.3x T(1).
@@ -11,8 +13,8 @@
    of outputs identical to ``generate`` in the same dtype.
 
 Usage:  python benchmarks/verify_cost.py [--model smollm2] [--context 200] [--reps 7]
-            [--max-new-tokens 128] [--dtypes float32 bfloat16] [--skip-generate]
-Writes benchmarks/results/verify-cost-<cpu>.json and prints markdown tables.
+            [--max-new-tokens 128] [--dtypes float32 bfloat16] [--skip-generate] [--shape chain]
+Writes benchmarks/results/verify-cost-<cpu>[-chain].json and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -54,14 +56,19 @@ def binary_tree(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, torch.tensor(depth)
 
 
+def chain(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, n) causal mask and depths 0..n-1 of a chain of n nodes."""
+    return torch.ones(n, n, dtype=torch.bool).tril(), torch.arange(n)
+
+
 @torch.inference_mode()
-def curve(backbones: dict, context: int, sizes, reps: int) -> dict:
+def curve(backbones: dict, context: int, sizes, reps: int, shape=binary_tree) -> dict:
     ctx = torch.randint(100, 1000, (1, context), generator=torch.Generator().manual_seed(0))
     caches, times = {}, {name: {n: [] for n in sizes} for name in backbones}
     for name, bb in backbones.items():
         caches[name] = bb.new_cache()
         bb.forward(ctx.to(bb.device), caches[name], need_logits=False)
-    trees = {n: binary_tree(n) for n in sizes}
+    trees = {n: shape(n) for n in sizes}
     gen = torch.Generator().manual_seed(1)
     names = list(backbones)
     for rep in range(reps + 1):  # rep 0 warms up every shape
@@ -155,25 +162,28 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=None,
                     help="default: float32, plus bfloat16 when the CPU has native bf16")
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--shape", choices=["binary", "chain"], default="binary", help="tree shape timed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
     info = machine_info()
     cpu = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
-    out_path = Path(args.out or Path(__file__).parent / "results" / f"verify-cost-{cpu}.json")
+    out_path = Path(args.out or Path(__file__).parent / "results" / f"verify-cost-{cpu}{'-chain' if args.shape == 'chain' else ''}.json")
     result = {"machine": info, "cpu_features": cpu_features(), "model": args.model, "context": args.context,
-              "reps": args.reps, "max_new_tokens": args.max_new_tokens, "by_dtype": {}}
+              "shape": args.shape, "reps": args.reps, "max_new_tokens": args.max_new_tokens, "by_dtype": {}}
     print(f"Machine: {machine_line(info)}; CPU features {cpu_features()}\n")
     for dt in dtypes:
         hf = load_backbone(args.model, dt, backend="transformers")
         fast = load_backbone(args.model, dt, backend="fast")
         entry = {"fast_kernel": fast.kernel, "fast_resident_bytes": fast.resident_bytes(),
-                 "curve": curve({"transformers": hf, "fast": fast}, args.context, args.sizes, args.reps)}
+                 "curve": curve({"transformers": hf, "fast": fast}, args.context, args.sizes, args.reps,
+                                binary_tree if args.shape == "binary" else chain)}
         if not args.skip_generate:
             entry["decode"] = decode_speed(hf, fast, args.max_new_tokens)
         result["by_dtype"][dt] = entry
         c = entry["curve"]
-        print(f"### {dt} (fast kernel: {fast.kernel}), context {args.context}, median of {args.reps}\n")
+        print(f"### {dt} (fast kernel: {fast.kernel}), {args.shape} trees, context {args.context}, "
+              f"median of {args.reps}\n")
         print("| nodes | transformers ms | rel | fast ms | rel | fast speedup |\n|---:|---:|---:|---:|---:|---:|")
         for n in args.sizes:
             a, b = c["transformers"], c["fast"]

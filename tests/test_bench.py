@@ -137,6 +137,8 @@ def test_llama_cpp_peer_with_a_fake_module(tiny, tmp_path, monkeypatch):
 
     hi = tiny.tokenizer.encode("hi", add_special_tokens=False)
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    import cadence.bench.peers as peers
+    monkeypatch.setattr(peers, "llama_cpp_decodes", lambda gguf: (True, ""))  # no child process
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     peer = make_peer("llama.cpp", tiny, str(gguf))
@@ -145,6 +147,26 @@ def test_llama_cpp_peer_with_a_fake_module(tiny, tmp_path, monkeypatch):
     assert peer.generate([1], GenerationConfig(max_new_tokens=1)).tokens == hi[:1]
     with pytest.raises(CadenceError, match="GGUF"):
         make_peer("llama.cpp", tiny, str(tmp_path))
+
+
+def test_a_llama_cpp_build_that_dies_in_a_test_decode_is_skipped_not_fatal(tiny, tmp_path, monkeypatch):
+    """Session 12: a build with ggml's AMX kernels died with SIGILL at its first token and took
+    the whole benchmark with it. The peer now decodes a few tokens in a child process first."""
+    import cadence.bench.peers as peers
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    ok, why = peers.llama_cpp_decodes(gguf, code="import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    assert not ok and "SIGILL" in why and "build_llama_cpp.py" in why
+    ok, why = peers.llama_cpp_decodes(gguf, code="import sys; sys.exit(3)")
+    assert not ok and "exit 3" in why
+    assert peers.llama_cpp_decodes(gguf, code="pass") == (True, "")
+    ok, why = peers.llama_cpp_decodes(gguf, timeout=0.5, code="import time; time.sleep(5)")
+    assert not ok and "took over" in why
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=None))
+    monkeypatch.setattr(peers, "llama_cpp_decodes", lambda g: (False, "llama.cpp skipped: died (SIGILL)"))
+    with pytest.raises(CadenceError, match="SIGILL"):
+        peers.make_peer("llama.cpp", tiny, str(gguf))
 
 
 def test_method_names_with_trees_and_nocopy():

@@ -7,7 +7,9 @@ Each peer has ``generate(prompt_ids, GenerationConfig) -> Generation`` like ``En
 - ``llama.cpp``: llama-cpp-python on the GGUF the model was loaded from (the default model's
   ``smollm2_gguf_path()``), 2 threads for decoding and for the prompt, greedy sampler,
   no repetition penalty, context as long as the model's. Optional: when ``llama_cpp`` cannot
-  be imported the peer is skipped and the report says so, with the build command
+  be imported, or a test decode in a child process dies (a build with instructions this
+  CPU cannot run: SIGILL would kill the whole benchmark), the peer is skipped and the report
+  says so, with the build command
   (``python benchmarks/build_llama_cpp.py``, which derives the CPU flags). It is fed the
   harness's token ids, i.e. the prompt through the HF tokenizer's chat template exactly as
   cadence's methods get it, and never re-tokenizes text: llama.cpp's own tokenizer splits
@@ -23,6 +25,9 @@ report no tau.
 from __future__ import annotations
 
 import inspect
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -127,6 +132,29 @@ def llama_cpp_available() -> tuple[bool, str]:
     return True, ""
 
 
+# a child process decodes 4 tokens of argv[1] (a GGUF file)
+_PROBE = ("import sys, llama_cpp\n"
+          "llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=2, n_ctx=64, verbose=False)\n"
+          "llm.create_completion('Hello', max_tokens=4, temperature=0.0)\n")
+
+
+def llama_cpp_decodes(gguf: Path, timeout: float = 120.0, code: str = _PROBE) -> tuple[bool, str]:
+    """Whether llama.cpp decodes ``gguf`` in a child process (a few seconds): a native crash
+    there costs the benchmark one peer, not the whole run."""
+    fix = "; rebuild it for this CPU with `python benchmarks/build_llama_cpp.py`"
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"llama.cpp skipped: a test decode in a child process took over {timeout:.0f} s{fix}"
+    if r.returncode == 0:
+        return True, ""
+    if r.returncode == -signal.SIGILL:
+        why = "SIGILL: the build uses an instruction this CPU cannot run"
+    else:
+        why = f"exit {r.returncode}: {r.stderr.strip()[-300:]}"
+    return False, f"llama.cpp skipped: a test decode in a child process died ({why}){fix}"
+
+
 def gguf_for(model_spec: str) -> Path | None:
     """The GGUF file behind a --model value, when there is one."""
     from cadence.backbone import DEFAULT_MODEL, smollm2_gguf_path
@@ -150,5 +178,8 @@ def make_peer(name: str, backbone, model_spec: str | None):
         gguf = gguf_for(model_spec) if model_spec else None
         if gguf is None:
             raise CadenceError("llama.cpp skipped: the model was not loaded from a GGUF file")
+        ok, why = llama_cpp_decodes(gguf)
+        if not ok:
+            raise CadenceError(why)
         return LlamaCpp(gguf, backbone)
     raise CadenceError(f"unknown peer {name!r}; peers: {', '.join(PEERS)}")
