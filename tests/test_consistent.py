@@ -48,6 +48,28 @@ def test_a_gemm_of_more_than_max_rows_gives_each_row_its_small_batch_bits():
     assert torch.equal(lin(x[None, :40])[0], alone[:40])
 
 
+@needs_onednn
+def test_only_steady_forwards_run_their_gemms_in_blocks(monkeypatch):
+    """A prefill (the same in plain and speculative decoding) runs each GEMM once, whatever its
+    rows; decode and verify forwards in blocks of MAX_ROWS (a 40-node verify: 2 calls each)."""
+    import cadence.fast.kernels as kernels
+    from cadence.fast.model import FastBackbone
+    from tiny import tiny_backbone
+
+    plain = tiny_backbone("llama", hidden=768, layers=4)
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain)
+    calls = []
+    real = kernels._ONEDNN
+    monkeypatch.setattr(kernels, "_ONEDNN", lambda *a: calls.append(a[0].shape) or real(*a))
+    cache = bb.new_cache()
+    bb.forward(torch.randint(0, bb.vocab_size, (1, 100)), cache)
+    assert len(calls) == 4 * 4 + 1 and bb._head.max_rows == 0
+    calls.clear()
+    bb.forward(torch.randint(0, bb.vocab_size, (1, 40)), cache)  # a chain of 40 after the prompt
+    assert len(calls) == 2 * (4 * 4 + 1) and max(c[-2] if len(c) > 2 else c[0] for c in calls) == consistent.MAX_ROWS
+
+
 def test_attend_pads_queries_and_returns_only_the_real_rows():
     torch.manual_seed(0)
     q = torch.randn(1, 6, 2, 16)
@@ -71,7 +93,7 @@ def test_bf16_tree_and_one_token_forwards_agree_on_the_root():
     plain.model.to(torch.bfloat16)
     bb = FastBackbone.from_backbone(plain)
     assert bb.consistent == consistent.wanted(bb.kernel, bb.dtype) == bb.chains_only
-    assert {lin.max_rows for lin in [bb._head] + [bb._layers[0].down]} == {consistent.MAX_ROWS if bb.consistent else 0}
+    assert (bb._head in bb._blockable) == bb.consistent
     gen = torch.Generator().manual_seed(0)
     for past in (10, 70, 130, 200, 260, 330, 390):  # no tree below reaches into the next 64-key block
         cache = bb.new_cache()

@@ -98,7 +98,11 @@ class FastBackbone(Backbone):
         if self.consistent:  # weight-only int8/int4 rows do not depend on the row count (tested): no padding or blocks
             for lin in [self._head] + [getattr(layer, n) for layer in self._layers for n in ("qkv", "o", "gate_up", "down")]:
                 lin.min_rows = 1 if lin.kind in ("int8", "int4") else consistent.MIN_ROWS
-                lin.max_rows = 0 if lin.kind in ("int8", "int4") else consistent.MAX_ROWS
+        # GEMMs whose row bits depend on the row count past MAX_ROWS (bf16 oneDNN on AMX): run in
+        # blocks of MAX_ROWS in steady forwards (decode, verify); a prefill runs whole (``_block_rows``)
+        self._blockable = [lin for lin in [self._head] + [getattr(layer, n) for layer in self._layers
+                           for n in ("qkv", "o", "gate_up", "down")] if lin.kind not in ("int8", "int4")] \
+            if self.consistent else []
         # a forward of fewer than MIN_QUERIES rows is padded up front when its GEMMs would pad
         # anyway (bf16 oneDNN: 2 rows cost what 4 do); over int8/int4 projections it runs its
         # real rows and only attention (and a bf16 head) pad themselves: fewer rows, same bits
@@ -243,6 +247,7 @@ class FastBackbone(Backbone):
             attention = self._rows_consistent(cache, first, starts, position_ids, mask)
         else:
             attention = self._attention(store, mask, causal)
+        self._block_rows(self.consistent and mask is not None)
         with torch.autocast(dev.type, enabled=False):
             hidden = self._layers_forward(input_ids, cos, sin, attention)
             for j, start in enumerate(starts):
@@ -279,6 +284,16 @@ class FastBackbone(Backbone):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(hidden.to(self.dtype)).float()
+
+    def _block_rows(self, steady: bool) -> None:
+        """Row-consistent forwards that decode or verify (``steady``) run their bf16 GEMMs in
+        blocks of at most ``consistent.MAX_ROWS`` rows (the head too, for the logits taken
+        after them); a prefill, the same in plain and speculative decoding, runs whole (a
+        2,000-row cache-building forward in 32-row blocks ran 63 calls per matrix)."""
+        want = consistent.MAX_ROWS if steady else 0
+        if self._blockable and self._blockable[0].max_rows != want:
+            for lin in self._blockable:
+                lin.max_rows = want
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache | None = None,
@@ -346,6 +361,7 @@ class FastBackbone(Backbone):
             mask, causal = self._padded_mask(pad), False  # right padding stays causal (``_right_padded``)
         keys = past + n  # keys attended to: the real ones, or (consistent) whole blocks per row group
         steady = self.consistent and cache is not None and (past > 0 or tree_mask is not None)
+        self._block_rows(steady)
         groups = None
         if steady:
             rows = position_ids.amax(dim=0).tolist()  # (n,): one sequence, or the batch's furthest

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from cadence.errors import CadenceError
 from cadence.training.data import read_shard
-from cadence.training.losses import Batch, entropy_boundaries, logits_stats
+from cadence.training.losses import STATS_CHUNK, Batch, entropy_boundaries, logits_stats
 
 
 @dataclass
@@ -218,7 +218,7 @@ def collate(items: list[dict]) -> dict:
 
 @torch.inference_mode()
 def sequence_features(backbone, seqs: list[torch.Tensor], want_entropy: bool, want_argmax: bool,
-                      chunk: int = 512) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+                      chunk: int = STATS_CHUNK) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """Run the backbone over whole sequences (one right-padded batch): per sequence
     (hidden (L, d), entropy (L,) or None, argmax (L,) or None), on the backbone's device."""
     dev = backbone.device

@@ -64,8 +64,13 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+# rows of logits per chunk: 32 x 49152 fp32 logits (6 MiB) stay in cache through the softmax,
+# exp, product and sum; 512 rows ran 3,047 positions/s, 32 rows 4,303-4,519 (SmolLM2, AMX Xeon)
+STATS_CHUNK = 32
+
+
 @torch.no_grad()
-def logits_stats(lm: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, chunk: int = 512,
+def logits_stats(lm: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, chunk: int = STATS_CHUNK,
                  want_entropy: bool = True, want_argmax: bool = True
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backbone entropy and argmax at every position of ``hidden`` (..., d), ``chunk`` rows at a time."""
