@@ -323,11 +323,13 @@ class _Run:
         self.cached_only = False
         self.files = shards["train"] + shards["val"]
         if cfg.cache_hidden:
+            from cadence.training.heap import BUILD_THRESHOLD, heap_threshold
             from cadence.training.hidden_cache import build_cache, open_cache
 
             if self.main:
-                build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
-                            progress=cfg.progress)
+                with heap_threshold(BUILD_THRESHOLD):  # same shapes every batch: reuse, no page faults
+                    build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
+                                progress=cfg.progress)
             self.accelerator.wait_for_everyone()
             self.cache = open_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files)
             self.cached_only = cfg.cache_only
