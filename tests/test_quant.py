@@ -24,20 +24,6 @@ def test_quantize_int8_rounds_each_row_to_its_own_scale():
     assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-7).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_is_the_dequantized_product_and_row_consistent(dtype):
-    torch.manual_seed(0)
-    w, b = torch.randn(96, 48).to(dtype), torch.randn(96).to(dtype)
-    lin = Linear(w, b, "int8")
-    x = torch.randn(9, 48).to(dtype)
-    want = x.float() @ lin.to_dense().float().T + b.float()
-    assert torch.allclose(lin(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    full = lin(x)
-    for m in (1, 2, 3, 4, 5):
-        assert torch.equal(lin(x[2:2 + m]), full[2:2 + m]), m
-    assert lin.nbytes() == 96 * 48 + 96 * 2 * w.element_size()  # int8 weights + scales + bias
-
-
 def test_quantize_int4_keeps_every_weight_within_half_a_step_of_its_group():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 2 * INT4_GROUP, generator=g)
@@ -51,21 +37,25 @@ def test_quantize_int4_keeps_every_weight_within_half_a_step_of_its_group():
     assert int4_fits(w) and not int4_fits(torch.zeros(100, 64)) and not int4_fits(torch.zeros(32, 48))
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_linear_is_the_dequantized_product_and_row_consistent(dtype):
+def test_weight_only_linear_is_the_dequantized_product_and_row_consistent(kind, dtype):
     torch.manual_seed(0)
     w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
-    lin = Linear(w, b, "int4")
-    assert lin.kind == "int4"
+    lin = Linear(w, b, kind)
+    assert lin.kind == kind
     x = torch.randn(9, 64).to(dtype)
     want = x.float() @ lin.to_dense().float().T + b.float()
     assert torch.allclose(lin(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     full = lin(x)
     for m in (1, 2, 3, 4, 5):
         assert torch.equal(lin(x[2:2 + m]), full[2:2 + m]), m
-    assert lin.nbytes() < 96 * 64  # under a byte per weight (half a byte + group scales + bias)
-    odd = Linear(torch.randn(100, 64).to(dtype), None, "int4")  # out not a multiple of 16: int8
-    assert odd.kind == "int8" and odd(x).shape == (9, 100)
+    if kind == "int8":
+        assert lin.nbytes() == 96 * 64 + 96 * 2 * w.element_size()  # int8 weights + scales + bias
+    else:
+        assert lin.nbytes() < 96 * 64  # under a byte per weight (half a byte + group scales + bias)
+        odd = Linear(torch.randn(100, 64).to(dtype), None, "int4")  # out not a multiple of 16: int8
+        assert odd.kind == "int8" and odd(x).shape == (9, 100)
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
