@@ -44,7 +44,7 @@ BUILD_THRESHOLD = 256 << 20  # the cache build's blocks come from the heap and a
 
 
 @contextmanager
-def heap_threshold(threshold: int, after: int = 1 << 20):
+def heap_threshold(threshold: int = BUILD_THRESHOLD, after: int = 1 << 20):
     """Within the block, allocations below ``threshold`` come from the heap; ``after`` is
     the threshold set again on leaving (the trainer's bound)."""
     changed = bound_heap(threshold)

@@ -213,7 +213,6 @@ def _shard_lists(manifest: dict) -> dict[str, list[str]]:
 def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
     """Train (or resume training) heads as ``cfg`` says; see the module docstring."""
     from cadence.training.heap import bound_heap
-
     bound_heap()  # the C heap otherwise grows every step (see cadence.training.heap)
     validate(cfg)
     run = _Run(cfg, backbone, accelerator)
@@ -319,15 +318,14 @@ class _Run:
                                   and (not self.val_corpus.seqs or self.val_corpus.has_topk)):
             raise CadenceError(f"teacher 'topk' needs shards with top-k logits; {self.data_dir} was distilled "
                                "without --topk-logits (use --teacher full)")
-        self.cache = None
-        self.cached_only = False
+        self.cache, self.cached_only = None, False
         self.files = shards["train"] + shards["val"]
         if cfg.cache_hidden:
-            from cadence.training.heap import BUILD_THRESHOLD, heap_threshold
+            from cadence.training.heap import heap_threshold
             from cadence.training.hidden_cache import build_cache, open_cache
 
             if self.main:
-                with heap_threshold(BUILD_THRESHOLD):  # same shapes every batch: reuse, no page faults
+                with heap_threshold():  # the build's blocks come from the heap and are reused
                     build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
                                 progress=cfg.progress)
             self.accelerator.wait_for_everyone()
