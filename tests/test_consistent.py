@@ -51,7 +51,9 @@ def test_a_gemm_of_more_than_max_rows_gives_each_row_its_small_batch_bits():
 @needs_onednn
 def test_only_steady_forwards_run_their_gemms_in_blocks(monkeypatch):
     """A prefill (the same in plain and speculative decoding) runs each GEMM once, whatever its
-    rows; decode and verify forwards in blocks of MAX_ROWS (a 40-node verify: 2 calls each)."""
+    rows; decode and verify forwards in blocks of MAX_ROWS (a 40-node verify: 2 calls each).
+    The Python loop's calls (``tests/test_native.py`` holds the C++ loop to its bits)."""
+    monkeypatch.setenv("CADENCE_NATIVE", "0")
     import cadence.fast.kernels as kernels
     from cadence.fast.model import FastBackbone
     from tiny import tiny_backbone
@@ -401,7 +403,9 @@ def test_a_linear_takes_a_3d_input_as_is_with_the_bits_of_the_2d_call():
 def test_a_forward_folds_its_attention_masks_once_not_per_layer(monkeypatch):
     """Every layer attends with the same masks: a one-token bf16 forward and a chain verify
     fold each (repeat + additive conversion) at the first layer only, and the outputs keep
-    the bits of a forward that folds per layer."""
+    the bits of a forward that folds per layer. The Python loop (the C++ one folds in Python
+    once per forward: ``FastBackbone._native_forward``)."""
+    monkeypatch.setenv("CADENCE_NATIVE", "0")
     from cadence.fast.model import FastBackbone
     from tiny import tiny_backbone
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from cadence.backbone import Backbone, ForwardOut
 from cadence.errors import CadenceError
-from cadence.fast import QUANTS, arch, consistent, rope
+from cadence.fast import QUANTS, arch, consistent, native, rope
 from cadence.fast.cache import BatchKVCache, StaticKVCache
 from cadence.fast.kernels import Linear, resolve_kind
 
@@ -107,6 +107,7 @@ class FastBackbone(Backbone):
         # anyway (bf16 oneDNN: 2 rows cost what 4 do); over int8/int4 projections it runs its
         # real rows and only attention (and a bf16 head) pad themselves: fewer rows, same bits
         self.pad_up_front = self.consistent and self.layer_kind not in ("int8", "int4")
+        self._native = None  # the C++ layer loop (``fast.native``), built at the first forward; False: none
         self._hook = None
         if self._released:
             self._hook = self.model.register_forward_pre_hook(lambda mod, args: self._restore())
@@ -375,16 +376,49 @@ class FastBackbone(Backbone):
                 cache.k[i, :, :, past:past + n] = k
                 cache.v[i, :, :, past:past + n] = v
                 return cache.k[i, :, :, :keys], cache.v[i, :, :, :keys]
-        attention = self._attention(store, mask, causal, groups)
+        paths = None
         if steady and given_tree:
             ancestors = [row.nonzero().flatten().tolist() for row in tree_mask[:real].to(torch.bool)]
             if not consistent.is_laid_out(ancestors):  # a branching tree: paths in decoding's slots
                 paths = consistent.PathAttention(cache.k, cache.v, past, ancestors, cache.max_positions)
-                attention = self._path_attention(paths)  # same positions, so the keys reserved above
-        x = self._layers_forward(input_ids, cos, sin, attention)
+        x = None
+        if paths is None and (groups is None or len(groups) == 1):
+            x = self._native_forward(input_ids, cos, sin, cache, past, groups[0][1] if groups else keys, mask,
+                                     causal, steady)
+        if x is None:
+            attention = self._path_attention(paths) if paths is not None else \
+                self._attention(store, mask, causal, groups)  # same positions, so the keys reserved above
+            x = self._layers_forward(input_ids, cos, sin, attention)
         if cache is not None:
             cache.advance(real)
         return x[:, :real]
+
+    def _native_forward(self, input_ids, cos, sin, cache, past: int, keys: int, mask, causal: bool,
+                        steady: bool) -> torch.Tensor | None:
+        """``_layers_forward`` with ``_attention``'s single-call forms, through the C++ loop
+        (``fast.native``: same ATen calls, same bits); None when it is off or unavailable.
+        keys: the cache entries attended to (``steady``: the one row group's key count)."""
+        if self._native is None:
+            mod = native.module()
+            self._native = False if mod is None else native.build_layers(mod, self)
+        if self._native is False:
+            return None
+        n = input_ids.shape[1]
+        g = self.spec.heads // self.spec.kv_heads
+        min_queries = 0
+        if steady:  # ``consistent.attend``: queries padded to MIN_QUERIES, the mask folded
+            mask = mask[:, :keys]
+            if n < consistent.MIN_QUERIES:
+                min_queries = consistent.MIN_QUERIES
+                mask = torch.cat([mask, mask[-1:].expand(min_queries - n, -1)])
+            mask, folded = consistent.fold_mask(mask, g, self.dtype), True
+        elif g > 1 and mask is not None:  # ``consistent.grouped_sdpa`` over the whole mask
+            mask, folded = consistent.fold_mask(mask, g, self.dtype), True
+        else:
+            folded = False
+        k, v = (cache.k, cache.v) if cache is not None else (None, None)
+        return self._native.forward(input_ids.to(self.device), cos, sin, k, v, past, keys if cache is not None else n,
+                                    mask, folded, causal, min_queries, steady and bool(self._blockable))
 
     def _attention(self, store, mask, causal: bool, groups=None):
         """``attend(layer, q, k, v)`` for ``_layers_forward``: ``store(layer, k, v)`` (k, v of

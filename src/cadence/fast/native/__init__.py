@@ -1,0 +1,86 @@
+"""The fast decoder's layer loop compiled from C++ (``layers.cpp``), built once per machine.
+
+Knows: how to build the extension with ``torch.utils.cpp_extension`` (a C++ compiler and
+ninja; about a minute on 2 cores, then cached under torch's extension directory, e.g.
+``~/.cache/torch_extensions``), and how to hand it a ``FastBackbone``'s weights. The C++
+loop makes the same ATen calls as ``FastBackbone._layers_forward`` in the same order, so
+its outputs are bit-identical (``tests/test_native.py``); it only removes the Python
+interpreter between them (about 4,000 calls per SmolLM2 forward).
+Does not know: which forwards it may run; ``FastBackbone`` decides (decode and chain
+verify forwards, prefills, cache-free forwards; not branching trees or batched rows).
+
+``CADENCE_NATIVE=0`` turns it off (the Python loop runs); a failed build warns once and
+falls back to Python too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("layers.cpp")
+_state: dict = {}  # "module": the loaded extension, or "error": why there is none
+
+
+def enabled() -> bool:
+    """False when ``CADENCE_NATIVE=0`` (or ``false``/``off``)."""
+    return os.environ.get("CADENCE_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def module():
+    """The compiled extension, building it on first use; None when off or the build failed."""
+    if not enabled():
+        return None
+    if "module" in _state or "error" in _state:
+        return _state.get("module")
+    try:
+        from torch.utils import cpp_extension
+
+        name = "cadence_layers_" + _digest()
+        build = Path(cpp_extension._get_build_directory(name, verbose=False))
+        if not any(build.glob(f"{name}*.so")):
+            print("cadence: compiling the native layer loop (once per machine and torch, about a minute)",
+                  file=sys.stderr, flush=True)
+        _state["module"] = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                                              verbose=False)
+    except Exception as exc:  # no compiler, no ninja, headers missing: the Python loop runs
+        _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        warnings.warn(f"cadence: native layer loop unavailable ({_state['error']}); using the Python loop "
+                      "(set CADENCE_NATIVE=0 to silence)", stacklevel=2)
+    return _state.get("module")
+
+
+def _digest() -> str:
+    """Names the build by the source and torch version, so an edit or a new torch rebuilds."""
+    import hashlib
+
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:12]
+
+
+_KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3}
+
+
+def build_layers(mod, bb):
+    """A ``Layers`` object holding ``bb``'s weights (references, no copies)."""
+    from cadence.fast.consistent import MAX_ROWS
+    from cadence.fast.kernels import INT4_GROUP
+
+    s = bb.spec
+    blockable = {id(lin) for lin in bb._blockable}  # blocks of MAX_ROWS rows in steady forwards
+    out = mod.Layers(s.heads, s.kv_heads, s.head_dim, float(s.eps), bool(s.qk_norm), bb.embed.weight.detach(),
+                     bb.final_norm)
+    for layer in bb._layers:
+        lins = [layer.qkv, layer.o, layer.gate_up, layer.down]
+        ints = []
+        for lin in lins:
+            ints += [_KIND[lin.kind], lin.in_features, lin.out_features, lin.min_rows,
+                     MAX_ROWS if id(lin) in blockable else 0, INT4_GROUP]
+        out.add_layer(layer.ln1, layer.ln2, layer.q_norm, layer.k_norm, [lin.w for lin in lins],
+                      [lin.scale for lin in lins], [lin.bias for lin in lins], ints)
+    return out

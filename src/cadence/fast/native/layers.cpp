@@ -1,0 +1,215 @@
+// The fast decoder's layer loop in C++: the same ATen calls, in the same order, as
+// ``FastBackbone._layers_forward`` with ``FastBackbone._attention`` (Python), without the
+// Python interpreter between them. A SmolLM2 forward makes about 4,000 ATen calls (30
+// layers); from Python each costs a few microseconds of dispatch on top of its work.
+//
+// Knows: the projections' kernels (``kernels.Linear``'s kinds: aten, oneDNN, int8, int4,
+// with its row padding and blocking), RMSNorm, RoPE from the looked-up table, the cache
+// store and the two attention forms the Python path uses (a folded grouped-query call with
+// an additive mask, or plain SDPA). Same ops, same arguments: same bits (tested).
+// Does not know: trees, masks' meaning, row groups or paths: Python prepares the mask
+// (already folded) and the key count and keeps the forwards this does not cover.
+
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { ATEN = 0, ONEDNN = 1, INT8 = 2, INT4 = 3 };
+
+const c10::OperatorHandle& onednn_linear() {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  return op;
+}
+
+at::Tensor onednn_call(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  // boxed: the op's unboxed signature is private to ATen; a boxed call costs about 1 us
+  std::vector<c10::IValue> stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  onednn_linear().callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+struct Lin {
+  int64_t kind = ATEN;
+  at::Tensor w, scale;
+  std::optional<at::Tensor> bias;
+  int64_t in = 0, out = 0, min_rows = 1, max_rows = 0, group = 32;
+
+  // x2: (m, in) contiguous -> (m, out); padded to min_rows rows (``Linear._rows``)
+  at::Tensor rows(at::Tensor x2) const {
+    const int64_t m = x2.size(0);
+    if (m < min_rows) {
+      x2 = at::cat({x2, x2.narrow(0, m - 1, 1).expand({min_rows - m, -1})});
+    }
+    at::Tensor y;
+    if (kind == INT8 || kind == INT4) {
+      y = kind == INT8 ? at::_weight_int8pack_mm(x2.contiguous(), w, scale)
+                       : at::_weight_int4pack_mm_for_cpu(x2.contiguous(), w, group, scale);
+      if (bias) y = y + *bias;
+    } else {
+      y = onednn_call(x2.contiguous(), w, bias);
+    }
+    return y.narrow(0, 0, m);
+  }
+
+  // ``Linear.__call__``; ``blocked``: honour max_rows (``FastBackbone._block_rows``)
+  at::Tensor operator()(const at::Tensor& x, bool blocked) const {
+    if (kind == ATEN) return at::linear(x, w, bias);
+    const int64_t cap = blocked ? max_rows : 0;
+    const int64_t n = x.numel() / in;
+    if (kind == ONEDNN && min_rows <= n && x.is_contiguous() && (!cap || n <= cap)) {
+      return onednn_call(x, w, bias);
+    }
+    auto lead = x.sizes().vec();
+    lead.back() = out;
+    at::Tensor x2 = x.reshape({-1, in});
+    if (!cap || n <= cap) return rows(x2).view(lead);
+    at::Tensor y = x2.new_empty({n, out});
+    for (int64_t i = 0; i < n; i += cap) {
+      const int64_t len = std::min(cap, n - i);
+      y.narrow(0, i, len).copy_(rows(x2.narrow(0, i, len)));
+    }
+    return y.view(lead);
+  }
+};
+
+struct Layer {
+  at::Tensor ln1, ln2;
+  std::optional<at::Tensor> q_norm, k_norm;
+  Lin qkv, o, gate_up, down;
+};
+
+// transformers' RMSNorm: normalise in fp32, cast back, scale by the weight (``model._rms``)
+at::Tensor rms(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor y = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps);
+  return weight * y.to(x.scalar_type());
+}
+
+// x * cos + rotate_half(x) * sin for x (b, n, heads, head_dim) (``rope.apply``)
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor swapped = at::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos + swapped * sin;
+}
+
+class Layers {
+ public:
+  Layers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool qk_norm, at::Tensor embed,
+         at::Tensor final_norm)
+      : heads_(heads), kv_(kv_heads), hd_(head_dim), eps_(eps), qk_norm_(qk_norm), embed_(embed),
+        final_norm_(final_norm) {}
+
+  void add_layer(at::Tensor ln1, at::Tensor ln2, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                 std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> scales,
+                 std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> ints) {
+    // ints: per projection (qkv, o, gate_up, down) kind, in, out, min_rows, max_rows, group
+    Layer layer;
+    layer.ln1 = ln1;
+    layer.ln2 = ln2;
+    layer.q_norm = q_norm;
+    layer.k_norm = k_norm;
+    Lin* lins[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && biases.size() == 4 && ints.size() == 24,
+                "add_layer: 4 projections");
+    for (int j = 0; j < 4; ++j) {
+      Lin& l = *lins[j];
+      l.w = weights[j];
+      if (scales[j]) l.scale = *scales[j];
+      l.bias = biases[j];
+      const int64_t* v = ints.data() + 6 * j;
+      l.kind = v[0], l.in = v[1], l.out = v[2], l.min_rows = v[3], l.max_rows = v[4], l.group = v[5];
+    }
+    layers_.push_back(std::move(layer));
+  }
+
+  // input_ids: (b, n); cos, sin: (b, n, 1, head_dim); k_cache, v_cache: (layers, b, kv,
+  // capacity, head_dim) or undefined (no cache: attend to the new tokens only); the new
+  // keys/values go to [past, past + n) and attention reads [0, keys). mask: undefined, a
+  // bool mask (plain) or an additive folded one (folded). folded: grouped-query attention
+  // with the query heads folded into rows (``consistent.grouped_sdpa``), queries padded to
+  // min_queries rows (``consistent.attend``). Returns (b, n, hidden) after the final norm.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+                     int64_t past, int64_t keys, const std::optional<at::Tensor>& mask, bool folded, bool causal,
+                     int64_t min_queries, bool blocked) const {
+    c10::InferenceMode guard;
+    const int64_t b = input_ids.size(0), n = input_ids.size(1);
+    const int64_t H = heads_, KV = kv_, hd = hd_;
+    const bool gqa = H != KV;
+    at::Tensor x = at::embedding(embed_, input_ids);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      at::Tensor h = rms(x, L.ln1, eps_);
+      at::Tensor qkv = L.qkv(h, blocked);
+      at::Tensor q, k;
+      if (qk_norm_) {
+        q = rope(rms(qkv.narrow(-1, 0, H * hd).view({b, n, H, hd}), *L.q_norm, eps_), cos, sin);
+        k = rope(rms(qkv.narrow(-1, H * hd, KV * hd).view({b, n, KV, hd}), *L.k_norm, eps_), cos, sin);
+      } else {
+        at::Tensor qk = rope(qkv.narrow(-1, 0, (H + KV) * hd).view({b, n, H + KV, hd}), cos, sin);
+        q = qk.narrow(2, 0, H);
+        k = qk.narrow(2, H, KV);
+      }
+      at::Tensor v = qkv.narrow(-1, (H + KV) * hd, KV * hd).view({b, n, KV, hd});
+      q = q.transpose(1, 2);
+      k = k.transpose(1, 2);
+      v = v.transpose(1, 2);
+      if (k_cache) {
+        at::Tensor K = k_cache->select(0, i), V = v_cache->select(0, i);
+        K.narrow(2, past, n).copy_(k);
+        V.narrow(2, past, n).copy_(v);
+        k = K.narrow(2, 0, keys);
+        v = V.narrow(2, 0, keys);
+      }
+      at::Tensor att;
+      if (folded) {
+        at::Tensor qq = q;
+        if (n < min_queries) qq = at::cat({q, q.narrow(2, n - 1, 1).expand({-1, -1, min_queries - n, -1})}, 2);
+        const int64_t m = qq.size(2);
+        if (gqa) {
+          att = at::scaled_dot_product_attention(qq.reshape({b, KV, H / KV * m, hd}), k, v, mask)
+                    .view({b, H, m, hd});
+        } else {
+          att = at::scaled_dot_product_attention(qq, k, v, mask);
+        }
+        if (m != n) att = att.narrow(2, 0, n);
+      } else {
+        att = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, std::nullopt, gqa);
+      }
+      x = x + L.o(att.transpose(1, 2).reshape({b, n, H * hd}), blocked);
+      h = rms(x, L.ln2, eps_);
+      at::Tensor gu = L.gate_up(h, blocked);
+      auto parts = gu.chunk(2, -1);
+      x = x + L.down(at::silu(parts[0]) * parts[1], blocked);
+    }
+    return rms(x, final_norm_, eps_);
+  }
+
+ private:
+  int64_t heads_, kv_, hd_;
+  double eps_;
+  bool qk_norm_;
+  at::Tensor embed_, final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Layers>(m, "Layers")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, at::Tensor, at::Tensor>())
+      .def("add_layer", &Layers::add_layer)
+      .def("forward", &Layers::forward);
+}
