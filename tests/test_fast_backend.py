@@ -56,6 +56,9 @@ def test_packed_kernel_releases_dense_weights_and_rebuilds_on_demand():
     q = fast.model.model.layers[1].self_attn.q_proj
     assert q.weight.numel() == 0  # one resident copy: the packed one
     assert fast.resident_bytes()["dense_layer_copy"] == 0
+    # the LM head is packed too (a copy: twice as fast to read cold), the dense one kept for the heads
+    assert fast._head.kind == "onednn" and fast.resident_bytes()["packed_head_copy"] > 0
+    assert fast.lm_head.weight.numel() == fast.vocab_size * fast.spec.hidden
     ids = torch.randint(0, 256, (2, 5))
     close(ref.model(ids).logits, fast.model(ids).logits)  # the hook rebuilt them
     assert q.weight.shape == ref.model.model.layers[1].self_attn.q_proj.weight.shape
