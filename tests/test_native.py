@@ -32,7 +32,9 @@ def _model(family: str, dtype: torch.dtype, seed: int = 0, **config):
 
 def _run(bb: FastBackbone, use_native: bool, chain_rows: int = 40) -> list[torch.Tensor]:
     """Logits, hidden states and cache entries of a fixed sequence of forwards."""
-    bb._native = None if use_native else False
+    bb._resolve_native()  # the Python loop keeps the fused kernels (``FastBackbone._norm``, ``_rope``)
+    loop = bb.__dict__.setdefault("_built_loop", bb._native)
+    bb._native = loop if use_native else False
     g = torch.Generator().manual_seed(3)
     vocab = bb.vocab_size
     cache = bb.new_cache()
@@ -102,3 +104,29 @@ def test_native_loop_is_used_and_can_be_turned_off(monkeypatch):
     off = FastBackbone(_model("llama", torch.float32), byte_tokenizer(), "fast")
     off.forward(torch.randint(0, 200, (1, 5)), off.new_cache())
     assert off._native is False
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_rope_match_the_aten_form_and_keep_each_rows_bits(dtype):
+    """RMSNorm: within one output rounding step of ``weight * rms_norm(x.float()).to(dtype)``
+    (another summation order); RoPE: the ATen form's bits. Both give a row the same bits
+    alone and among 37 others, and take non-contiguous qkv slices."""
+    from cadence.fast import rope
+    from cadence.fast.model import _rms
+
+    ops = native.module()
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 19, 576, generator=g) * 3).to(dtype)
+    w = (torch.randn(576, generator=g) * 0.5 + 1).to(dtype)
+    got, ref = ops.rms_norm(x, w, 1e-5), _rms(x, w, 1e-5)
+    step = 1e-6 if dtype == torch.float32 else 2 ** -7  # relative: one fp32 / bf16 rounding step
+    assert ((got.float() - ref.float()).abs() <= step * ref.float().abs() + 1e-6).all()
+    assert torch.equal(ops.rms_norm(x[1:2, 5:6], w, 1e-5), got[1:2, 5:6])
+    qkv = torch.randn(2, 19, 15 * 64, generator=g).to(dtype)
+    q = qkv[..., :12 * 64].view(2, 19, 12, 64)  # a slice: rows 960 apart
+    cos = torch.randn(2, 19, 1, 64, generator=g).to(dtype)
+    sin = torch.randn(2, 19, 1, 64, generator=g).to(dtype)
+    out = ops.rope(q, cos, sin)
+    assert torch.equal(out, rope.apply(q, cos, sin))
+    assert torch.equal(ops.rope(q[1:2, 3:4], cos[1:2, 3:4], sin[1:2, 3:4]), out[1:2, 3:4])

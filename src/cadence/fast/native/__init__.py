@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("layers.cpp")
+_SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "fused.cpp", "fused.h")]
 _state: dict = {}  # "module": the loaded extension, or "error": why there is none
 
 
@@ -45,7 +45,8 @@ def module():
         if not any(build.glob(f"{name}*.so")):
             print("cadence: compiling the native layer loop (once per machine and torch, about a minute)",
                   file=sys.stderr, flush=True)
-        _state["module"] = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"],
+        _state["module"] = cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
+                                              extra_cflags=["-O3", "-ffp-contract=off"],
                                               verbose=False)
     except Exception as exc:  # no compiler, no ninja, headers missing: the Python loop runs
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -58,7 +59,7 @@ def _digest() -> str:
     """Names the build by the source and torch version, so an edit or a new torch rebuilds."""
     import hashlib
 
-    h = hashlib.sha256(_SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
     h.update(torch.__version__.encode())
     return h.hexdigest()[:12]
 

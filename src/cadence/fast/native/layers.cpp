@@ -14,6 +14,8 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "fused.h"
+
 #include <optional>
 #include <vector>
 
@@ -91,14 +93,21 @@ struct Layer {
   Lin qkv, o, gate_up, down;
 };
 
-// transformers' RMSNorm: normalise in fp32, cast back, scale by the weight (``model._rms``)
+bool fusable(const at::Tensor& x) {
+  return x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+}
+
+// transformers' RMSNorm: normalise in fp32, cast back, scale by the weight (``FastBackbone._norm``;
+// on CPU the fused kernel of ``fused.cpp``, as the Python loop uses it)
 at::Tensor rms(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (fusable(x)) return cadence::rms_norm(x, weight, eps);
   at::Tensor y = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps);
   return weight * y.to(x.scalar_type());
 }
 
-// x * cos + rotate_half(x) * sin for x (b, n, heads, head_dim) (``rope.apply``)
+// x * cos + rotate_half(x) * sin for x (b, n, heads, head_dim) (``FastBackbone._rope``)
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (fusable(x)) return cadence::rope(x, cos, sin);
   const int64_t half = x.size(-1) / 2;
   at::Tensor swapped = at::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * cos + swapped * sin;
@@ -212,4 +221,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, at::Tensor, at::Tensor>())
       .def("add_layer", &Layers::add_layer)
       .def("forward", &Layers::forward);
+  m.def("rms_norm", &cadence::rms_norm, "weight * rms_norm(x) in x's dtype, one pass per row (fused.cpp)");
+  m.def("rope", &cadence::rope, "x * cos + rotate_half(x) * sin, one pass per row (fused.cpp)");
 }
