@@ -46,7 +46,13 @@ def _run(bb: FastBackbone, use_native: bool, chain_rows: int = 40) -> list[torch
     mask = tree_mask([-1, 0, 1, 2])  # a chain as a tree mask with explicit positions
     pos = torch.arange(4)[None] + past
     outs.append(bb.forward(torch.randint(0, vocab, (1, 4), generator=g), cache, pos, mask).logits)
+    past = cache.length()
+    branching = tree_mask([-1, 0, 0, 1, 2])  # consistent bf16: one attention call per path (Python callback)
+    pos = torch.tensor([[0, 1, 1, 2, 2]]) + past
+    outs.append(bb.forward(torch.randint(0, vocab, (1, 5), generator=g), cache, pos, branching).logits)
+    cache.compact(past, [0, 2, 4])
     outs += [cache.k[:, :, :, :cache.length()].clone(), cache.v[:, :, :, :cache.length()].clone()]
+    outs += _rows(bb, g)
     batch = torch.randint(0, vocab, (3, 9), generator=g)
     pad = torch.ones(3, 9, dtype=torch.long)
     pad[1, 6:] = 0  # right padding (causal)
@@ -54,6 +60,22 @@ def _run(bb: FastBackbone, use_native: bool, chain_rows: int = 40) -> list[torch
     outs.append(bb.forward(batch).logits)
     outs.append(bb.hidden_states(batch, None, None, None, pad))
     return outs
+
+
+def _rows(bb: FastBackbone, g: torch.Generator) -> list[torch.Tensor]:
+    """The batch engine's ragged forward (``forward_rows``), prefill and a padded tree step."""
+    from cadence.batch.layout import pack
+    from cadence.trees import compile_tree
+
+    pasts = [21, 9]
+    trees = [compile_tree([(0,), (0, 0)]), compile_tree([(0,), (1,), (0, 0)])]
+    cache = bb.new_batch_cache(2)
+    for slot, p in enumerate(pasts):
+        bb.forward_rows(torch.randint(0, bb.vocab_size, (1, p), generator=g), cache, slot, [0], need_logits=False)
+    toks = [torch.randint(0, bb.vocab_size, (t.size,), generator=g) for t in trees]
+    p = pack(pasts, trees, toks, bb.device)
+    logits = bb.forward_rows(p.tokens, cache, 0, p.starts, p.positions, p.mask).logits
+    return [logits[r, :t.size] for r, t in enumerate(trees)] + [cache.k[:, :, :, :max(cache.lengths)].clone()]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:

@@ -453,7 +453,7 @@ class FastBackbone(Backbone):
             folded = False
         k, v = (cache.k, cache.v) if cache is not None else (None, None)
         return self._native.forward(input_ids.to(self.device), cos, sin, k, v, past, keys if cache is not None else n,
-                                    mask, folded, causal, min_queries, steady and bool(self._blockable))
+                                    mask, folded, causal, min_queries, steady and bool(self._blockable), None)
 
     def _attention(self, store, mask, causal: bool, groups=None):
         """``attend(layer, q, k, v)`` for ``_layers_forward``: ``store(layer, k, v)`` (k, v of
@@ -483,6 +483,10 @@ class FastBackbone(Backbone):
         (``_attention``) gives each layer's attention output (b, heads, n, head_dim)."""
         s = self.spec
         self._resolve_native()
+        if self._native:  # the C++ loop, calling ``attend`` back for each layer's attention
+            blocked = bool(self._blockable) and self._blockable[0].max_rows > 0  # as ``_block_rows`` left them
+            return self._native.forward(input_ids.to(self.device), cos, sin, None, None, 0, 0, None, False, False, 0,
+                                        blocked, attend)
         b, n = input_ids.shape
         H, KV, hd = s.heads, s.kv_heads, s.head_dim
         x = F.embedding(input_ids.to(self.device), self.embed.weight)

@@ -148,15 +148,17 @@ class Layers {
   // keys/values go to [past, past + n) and attention reads [0, keys). mask: undefined, a
   // bool mask (plain) or an additive folded one (folded). folded: grouped-query attention
   // with the query heads folded into rows (``consistent.grouped_sdpa``), queries padded to
-  // min_queries rows (``consistent.attend``). Returns (b, n, hidden) after the final norm.
+  // min_queries rows (``consistent.attend``). attend: None for the above, else a Python
+  // callable ``attend(layer, q, k, v)`` (``FastBackbone._attention`` / ``_path_attention``,
+  // ``forward_rows``' forms) that stores and attends itself; the cache arguments are then
+  // unused. Returns (b, n, hidden) after the final norm.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
                      const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                      int64_t past, int64_t keys, const std::optional<at::Tensor>& mask, bool folded, bool causal,
-                     int64_t min_queries, bool blocked) const {
+                     int64_t min_queries, bool blocked, const pybind11::object& attend) const {
     c10::InferenceMode guard;
     const int64_t b = input_ids.size(0), n = input_ids.size(1);
     const int64_t H = heads_, KV = kv_, hd = hd_;
-    const bool gqa = H != KV;
     at::Tensor x = at::embedding(embed_, input_ids);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
@@ -175,28 +177,9 @@ class Layers {
       q = q.transpose(1, 2);
       k = k.transpose(1, 2);
       v = v.transpose(1, 2);
-      if (k_cache) {
-        at::Tensor K = k_cache->select(0, i), V = v_cache->select(0, i);
-        K.narrow(2, past, n).copy_(k);
-        V.narrow(2, past, n).copy_(v);
-        k = K.narrow(2, 0, keys);
-        v = V.narrow(2, 0, keys);
-      }
-      at::Tensor att;
-      if (folded) {
-        at::Tensor qq = q;
-        if (n < min_queries) qq = at::cat({q, q.narrow(2, n - 1, 1).expand({-1, -1, min_queries - n, -1})}, 2);
-        const int64_t m = qq.size(2);
-        if (gqa) {
-          att = at::scaled_dot_product_attention(qq.reshape({b, KV, H / KV * m, hd}), k, v, mask)
-                    .view({b, H, m, hd});
-        } else {
-          att = at::scaled_dot_product_attention(qq, k, v, mask);
-        }
-        if (m != n) att = att.narrow(2, 0, n);
-      } else {
-        att = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, std::nullopt, gqa);
-      }
+      const at::Tensor att = attend.is_none()
+          ? attention(i, q, k, v, k_cache, v_cache, past, keys, mask, folded, causal, min_queries)
+          : attend(static_cast<int64_t>(i), q, k, v).cast<at::Tensor>();
       x = x + L.o(att.transpose(1, 2).reshape({b, n, H * hd}), blocked);
       h = rms(x, L.ln2, eps_);
       at::Tensor gu = L.gate_up(h, blocked);
@@ -207,6 +190,31 @@ class Layers {
   }
 
  private:
+  // the store and the attention of ``FastBackbone._native_forward``'s forms (see ``forward``);
+  // q: (b, H, n, hd), k, v: (b, KV, n, hd) -> (b, H, n, hd)
+  at::Tensor attention(size_t i, const at::Tensor& q, at::Tensor k, at::Tensor v,
+                       const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+                       int64_t past, int64_t keys, const std::optional<at::Tensor>& mask, bool folded, bool causal,
+                       int64_t min_queries) const {
+    const int64_t b = q.size(0), n = q.size(2), H = heads_, KV = kv_, hd = hd_;
+    const bool gqa = H != KV;
+    if (k_cache) {
+      at::Tensor K = k_cache->select(0, i), V = v_cache->select(0, i);
+      K.narrow(2, past, n).copy_(k);
+      V.narrow(2, past, n).copy_(v);
+      k = K.narrow(2, 0, keys);
+      v = V.narrow(2, 0, keys);
+    }
+    if (!folded) return at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, std::nullopt, gqa);
+    at::Tensor qq = q;
+    if (n < min_queries) qq = at::cat({q, q.narrow(2, n - 1, 1).expand({-1, -1, min_queries - n, -1})}, 2);
+    const int64_t m = qq.size(2);
+    at::Tensor att = gqa ? at::scaled_dot_product_attention(qq.reshape({b, KV, H / KV * m, hd}), k, v, mask)
+                               .view({b, H, m, hd})
+                         : at::scaled_dot_product_attention(qq, k, v, mask);
+    return m != n ? att.narrow(2, 0, n) : att;
+  }
+
   int64_t heads_, kv_, hd_;
   double eps_;
   bool qk_norm_;
