@@ -12,6 +12,7 @@ import torch
 from test_fast_model import pair, reference_greedy, tree_greedy
 
 from cadence.errors import CadenceError
+from cadence.fast import native
 from cadence.fast.kernels import INT4_GROUP, Linear, dequantize_int4, int4_fits, quantize_int4, quantize_int8
 from cadence.fast.model import FastBackbone, check_quant
 
@@ -92,7 +93,7 @@ def test_quant_settings_are_refused_clearly(tmp_path):
     assert isinstance(bb, FastBackbone) and bb.quant == "int8"
 
 
-def test_int4_leaves_the_head_unquantized_and_latency_curves_are_per_kernels():
+def test_int4_leaves_the_head_unquantized_and_latency_curves_are_per_kernels(monkeypatch):
     """The LM head stays in the model's dtype under int4 (4-bit GGUF files keep it at 8 bits
     or more), and a verify-latency curve measured with other kernels is not reused."""
     from cadence.latency import machine_key
@@ -108,9 +109,16 @@ def test_int4_leaves_the_head_unquantized_and_latency_curves_are_per_kernels():
             assert bb._head.kind not in ("int4", "int8")
             assert all(layer.gate_up.kind == "int4" for layer in bb._layers)  # (256, 64): fits the kernel
     assert len({k for k, _ in keys.values()}) == 3
-    assert keys["int8"][1] == "int8/int8" and keys["int4"][1].startswith("int4/")
+    loop = "cpp" if native.module() is not None else "python"
+    assert keys["int8"][1] == f"int8/int8/{loop}" and keys["int4"][1].startswith("int4/")
     from cadence.fast.cpu import onednn_available
     if onednn_available():  # same dtype and quant, other kernels: another curve
         dense = FastBackbone(type(ref.model)(ref.model.config).float(), ref.tokenizer, "q", kernel="aten")
-        assert dense.kernels == "aten/aten" != keys["none"][1]
+        assert dense.kernels == f"aten/aten/{loop}" != keys["none"][1]
         assert machine_key(dense) != keys["none"][0]
+    if native.module() is not None:  # the Python loop (CADENCE_NATIVE=0) runs at another speed: another curve
+        monkeypatch.setenv("CADENCE_NATIVE", "0")
+        copy = type(ref.model)(ref.model.config).float()
+        copy.load_state_dict(ref.model.state_dict())
+        slow = FastBackbone(copy, ref.tokenizer, "q")
+        assert slow.kernels.endswith("/python") and machine_key(slow) != keys["none"][0]

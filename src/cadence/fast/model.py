@@ -187,8 +187,10 @@ class FastBackbone(Backbone):
 
     @property
     def kernels(self) -> str:
-        """The projections' and the LM head's kernels, e.g. ``int4/onednn`` (latency curves are per kernels)."""
-        return f"{self.layer_kind}/{self._head.kind}"
+        """The projections' and the LM head's kernels and the layer loop, e.g. ``int4/onednn/cpp``
+        (latency curves are cached per kernels: the C++ loop changed them by a third)."""
+        self._resolve_native()
+        return f"{self.layer_kind}/{self._head.kind}/{'cpp' if self._native else 'python'}"
 
     def resident_bytes(self) -> dict:
         """Bytes held by the fast path's weights and by the transformers tensors it shares."""
