@@ -7,7 +7,7 @@ whole model does not fit in the cache: every timed call uses another copy of the
 figure is the median over rounds of the mean per call. Kinds: ``onednn`` (prepacked bf16 /
 fp32, the default), ``int8`` (``--quant int8``), ``int4`` (``--quant int4``'s projections).
 
-Usage:  python benchmarks/kernel_cost.py [--dtype bfloat16] [--rows 1 4 8] [--rounds 5]
+Usage:  python benchmarks/kernel_cost.py [--dtype bfloat16] [--rows 1 4 8] [--kinds onednn] [--rounds 5]
 Writes benchmarks/results/kernel-cost-<cpu>.json and prints a markdown table.
 """
 
@@ -70,25 +70,26 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     table = {}
     for name, shape in SHAPES.items():
-        for kind in KINDS:
+        for kind in args.kinds:
             for rows in args.rows:
                 table.setdefault(name, {}).setdefault(kind, {})[rows] = round(
                     time_kind(kind, shape, rows, dtype, args.rounds), 4)
     info = machine_info()
     print(f"{machine_line(info)}; {args.dtype}, cold weights (copies of each matrix over {COLD_BYTES >> 20} MiB)\n")
-    print("| matrix (out x in) | " + " | ".join(f"{k} {r} rows" for k in KINDS for r in args.rows) + " |")
-    print("|---|" + "---:|" * (len(KINDS) * len(args.rows)))
+    print("| matrix (out x in) | " + " | ".join(f"{k} {r} rows" for k in args.kinds for r in args.rows) + " |")
+    print("|---|" + "---:|" * (len(args.kinds) * len(args.rows)))
     for name, shape in SHAPES.items():
-        cells = " | ".join(f"{table[name][k][r]:.3f}" for k in KINDS for r in args.rows)
+        cells = " | ".join(f"{table[name][k][r]:.3f}" for k in args.kinds for r in args.rows)
         print(f"| {name} ({shape[0]} x {shape[1]}) | {cells} |")
     per_layer = {k: {r: round(sum(table[n][k][r] for n in ("qkv", "o", "gate_up", "down")), 4) for r in args.rows}
-                 for k in KINDS}
-    print("| one decoder layer | " + " | ".join(f"{per_layer[k][r]:.3f}" for k in KINDS for r in args.rows) + " |")
+                 for k in args.kinds}
+    print("| one decoder layer | " + " | ".join(f"{per_layer[k][r]:.3f}" for k in args.kinds for r in args.rows) + " |")
     slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
     out = Path(args.out or f"benchmarks/results/kernel-cost-{slug}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

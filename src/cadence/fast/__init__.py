@@ -7,6 +7,8 @@ Modules, one idea each:
 - ``cache``: the preallocated KV cache with in-place compaction.
 - ``rope``: RoPE from a precomputed table indexed by position ids.
 - ``model``: ``FastBackbone``, the forward itself.
+- ``native``: its layer loop in C++ (same ATen calls, same bits) and fused RMSNorm / RoPE
+  kernels, built once per machine at the first forward (Python loop when it cannot build).
 
 ``make_fast(backbone, backend)`` is what ``cadence.backbone.load_backbone`` calls.
 """
