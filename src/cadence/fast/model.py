@@ -4,7 +4,9 @@ Knows: how to run the decoder layers of a loaded transformers Llama/Mistral/Qwen
 model with fused QKV and gate/up projections (``kernels.Linear``), RMSNorm through
 ``F.rms_norm``, RoPE from a table (``rope``), attention through
 ``scaled_dot_product_attention`` with one boolean mask shared by all layers, and a
-preallocated cache (``cache.StaticKVCache``) written in place.
+preallocated cache (``cache.StaticKVCache``) written in place. The layer loop runs in C++
+where the extension builds (``fast.native``: same ATen calls, fused RMSNorm/RoPE); the
+Python loop below is its reference and its fallback, and both give the same bits.
 
 Weights (one copy resident): the fused QKV and gate/up matrices are built once and the
 transformers modules' ``weight`` parameters are turned into views of them (``dense``
