@@ -114,11 +114,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         extra = MIN_QUERIES - n
         q = torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
         if memo is None or key not in memo:
-            mask = torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, -1)], dim=-2)
+            mask = pad_mask_rows(mask)
     folded = None if memo is None else memo.get(key, mask)
     if gqa:
         return grouped_sdpa(q, k, v, mask, folded)[:, :, :n]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if folded is None else folded)[:, :, :n]
+
+
+def pad_mask_rows(mask: torch.Tensor) -> torch.Tensor:
+    """A mask of fewer than MIN_QUERIES query rows with its last row repeated up to
+    MIN_QUERIES, as ``attend`` pads the queries. mask: (n, L) or (b, 1, n, L). Example:
+    [[T, F]] -> [[T, F]] * 4."""
+    extra = MIN_QUERIES - mask.shape[-2]
+    return torch.cat([mask, mask[..., -1:, :].expand(*mask.shape[:-2], extra, -1)], dim=-2)
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -422,17 +422,17 @@ class FastBackbone(Backbone):
             self._ops = mod
             self._native = False if mod is None else native.build_layers(mod, self)
 
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernels take x (CPU, fp32 or bf16; ``fusable`` in layers.cpp)."""
+        return self._ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as the C++ loop computes it: the fused kernel on CPU, else ``_rms``."""
-        if self._ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            return self._ops.rms_norm(x, weight, self.spec.eps)
-        return _rms(x, weight, self.spec.eps)
+        return self._ops.rms_norm(x, weight, self.spec.eps) if self._fusable(x) else _rms(x, weight, self.spec.eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``rope.apply`` as the C++ loop computes it (fused on CPU)."""
-        if self._ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            return self._ops.rope(x, cos, sin)
-        return rope.apply(x, cos, sin)
+        return self._ops.rope(x, cos, sin) if self._fusable(x) else rope.apply(x, cos, sin)
 
     def _native_forward(self, input_ids, cos, sin, cache, past: int, keys: int, mask, causal: bool,
                         steady: bool) -> torch.Tensor | None:
@@ -449,7 +449,7 @@ class FastBackbone(Backbone):
             mask = mask[:, :keys]
             if n < consistent.MIN_QUERIES:
                 min_queries = consistent.MIN_QUERIES
-                mask = torch.cat([mask, mask[-1:].expand(min_queries - n, -1)])
+                mask = consistent.pad_mask_rows(mask)
             mask, folded = consistent.fold_mask(mask, g, self.dtype), True
         elif g > 1 and mask is not None:  # ``consistent.grouped_sdpa`` over the whole mask
             mask, folded = consistent.fold_mask(mask, g, self.dtype), True
