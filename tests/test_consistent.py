@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cadence.fast import consistent
+from cadence.fast import consistent, native
 from cadence.fast.cpu import onednn_available
 from cadence.fast.kernels import Linear
 
@@ -94,7 +94,8 @@ def test_bf16_tree_and_one_token_forwards_agree_on_the_root():
     plain = tiny_backbone("llama", hidden=768, layers=4)  # down projection K = 1536, as SmolLM2's
     plain.model.to(torch.bfloat16)
     bb = FastBackbone.from_backbone(plain)
-    assert bb.consistent == consistent.wanted(bb.kernel, bb.dtype) == bb.chains_only
+    assert bb.consistent == consistent.wanted(bb.kernel, bb.dtype)
+    assert bb.chains_only == (bb.consistent and not bb.listed)
     assert (bb._head in bb._blockable) == bb.consistent
     gen = torch.Generator().manual_seed(0)
     for past in (10, 70, 130, 200, 260, 330, 390):  # no tree below reaches into the next 64-key block
@@ -183,11 +184,13 @@ def test_path_attention_equals_masked_tree_attention_and_restores_node_order():
 
 
 @needs_onednn
-def test_bf16_branching_tree_nodes_get_plain_decodings_bits():
+@pytest.mark.parametrize("listed", ["1", "0"])  # listed_attention (one call), or PathAttention (per path)
+def test_bf16_branching_tree_nodes_get_plain_decodings_bits(listed, monkeypatch):
     """Every node of a branching tree gets the logits a one-token forward gives it after its
     path was committed token by token; then decoding on from the compacted cache does too.
-    Without ``PathAttention`` (ancestors at scattered slots) SmolLM2 differed in 19 of 140
-    branch nodes, by up to 0.59 (``benchmarks/consistency.py --tree``)."""
+    With PyTorch's attention over the tree's own layout (ancestors at scattered slots) SmolLM2
+    differed in 19 of 140 branch nodes, by up to 0.59 (``benchmarks/consistency.py --tree``)."""
+    monkeypatch.setenv("CADENCE_LISTED", listed)
     from cadence.fast.model import FastBackbone
     from cadence.scorer import score
     from cadence.trees import compile_tree, grow_tree, prior_acceptance
@@ -196,6 +199,7 @@ def test_bf16_branching_tree_nodes_get_plain_decodings_bits():
     plain = tiny_backbone("llama", hidden=768, layers=4)
     plain.model.to(torch.bfloat16)
     bb = FastBackbone.from_backbone(plain)
+    assert bb.listed == (listed == "1" and native.module() is not None)
     root = compile_tree([], name="r")
     tree = compile_tree(grow_tree(prior_acceptance(4, ranks=4), 8), name="t9")
     gen = torch.Generator().manual_seed(1)
@@ -280,14 +284,16 @@ def test_bf16_batched_rows_get_the_bits_of_each_request_alone():
 
 
 @needs_onednn
+@pytest.mark.parametrize("listed", ["1", "0"])
 @pytest.mark.parametrize("right_rank", [0, 1, 10_000])  # first paths, sibling paths, nothing accepted
-def test_bf16_speculation_is_byte_identical_to_bf16_plain_decoding(right_rank):
+def test_bf16_speculation_is_byte_identical_to_bf16_plain_decoding(right_rank, listed, monkeypatch):
     """End to end in bf16: a branching static tree (and the batched engine) gives plain
     bf16 decoding's tokens, with drafts accepted on first paths, on sibling paths only, or
     never."""
     from cadence.fast.model import FastBackbone
     from tiny import tiny_backbone
 
+    monkeypatch.setenv("CADENCE_LISTED", listed)
     plain = tiny_backbone("llama", hidden=768, layers=4)
     plain.model.to(torch.bfloat16)
     _speculation_matches_plain_decoding(FastBackbone.from_backbone(plain), right_rank)

@@ -190,10 +190,13 @@ class Backbone(nn.Module):
             raise CadenceError(f"{name} has no causal LM head")
         check_supported(cfg)
         self._cache_kwarg = cache_kwarg(model.model)
-        # True when a branching tree costs far more to verify than a chain of as many nodes
-        # (the fast path's row-consistent bf16 attends per root-to-leaf path): trees are then
-        # grown as chains and the latency probe measures chains
-        self.chains_only = False
+
+    @property
+    def chains_only(self) -> bool:
+        """True when a branching tree costs far more to verify than a chain of as many nodes
+        (the fast path's row-consistent bf16 without ``listed_attention`` attends per
+        root-to-leaf path): trees are then grown as chains and the latency probe measures chains."""
+        return False
 
     @property
     def config(self):

@@ -180,6 +180,28 @@ class Folded:
         return out
 
 
+def key_lists(trees: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys each row of a decode or verify forward attends to, as ``listed_attention``
+    takes them: the committed entries [0, start) of its sequence, then the new slots its tree
+    row allows, in slot order (its ancestors, then itself).
+
+    trees: (b, n, n) bool, row j of sequence s may see new entry l; starts: b committed
+    lengths (new entry l of sequence s sits at slot starts[s] + l) -> prefix (b, n), extra
+    (b, n, n) and count (b, n), int32 on the CPU; extra[s, j, :count[s, j]] are the slots,
+    the rest is padding (the first slot). Example: start 100, tree 0 -> (1, 2): row 2 ->
+    prefix 100, extra [100, 102, 100], count 2.
+    """
+    b, n, _ = trees.shape
+    trees = trees.to("cpu", torch.bool)
+    cols = torch.arange(n).expand(b, n, n)
+    order = torch.where(trees, cols, n).sort(dim=-1).values  # allowed columns first, ascending
+    count = trees.sum(dim=-1, dtype=torch.int32)
+    base = torch.tensor(starts, dtype=torch.int32).view(b, 1, 1)
+    extra = torch.where(order < n, order, 0).to(torch.int32) + base
+    prefix = base.view(b, 1).expand(b, n).contiguous()
+    return prefix, extra.contiguous(), count
+
+
 def tree_paths(ancestors: list[list[int]]) -> list[tuple[list[int], list[int]]]:
     """Cover a tree's nodes with root-to-leaf paths, each node attended on exactly one.
 

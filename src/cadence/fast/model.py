@@ -24,6 +24,8 @@ Does not know: trees, heads, verification; the engine passes tokens, positions a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,8 @@ from cadence.errors import CadenceError
 from cadence.fast import QUANTS, arch, consistent, native, rope
 from cadence.fast.cache import BatchKVCache, StaticKVCache
 from cadence.fast.kernels import Linear, resolve_kind
+
+LISTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)  # head sizes ``listed_attention`` has kernels for
 
 
 def check_quant(quant: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -98,7 +102,6 @@ class FastBackbone(Backbone):
         # and torch's int8 kernel took 3.0 ms against bf16's 1.6 ms for 4 rows on a Zen 5 EPYC
         self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
         self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
-        self.chains_only = self.consistent  # a branching tree attends once per path (``PathAttention``)
         if self.consistent:  # weight-only int8/int4 rows do not depend on the row count (tested): no padding or blocks
             for lin in [self._head] + [getattr(layer, n) for layer in self._layers for n in ("qkv", "o", "gate_up", "down")]:
                 lin.min_rows = 1 if lin.kind in ("int8", "int4") else consistent.MIN_ROWS
@@ -192,7 +195,8 @@ class FastBackbone(Backbone):
         """The projections' and the LM head's kernels and the layer loop, e.g. ``int4/onednn/cpp``
         (latency curves are cached per kernels: the C++ loop changed them by a third)."""
         self._resolve_native()
-        return f"{self.layer_kind}/{self._head.kind}/{'cpp' if self._native else 'python'}"
+        attention = "/listed" if self.listed else ""
+        return f"{self.layer_kind}/{self._head.kind}/{'cpp' if self._native else 'python'}{attention}"
 
     def resident_bytes(self) -> dict:
         """Bytes held by the fast path's weights and by the transformers tensors it shares."""
@@ -265,7 +269,9 @@ class FastBackbone(Backbone):
                 cache.v[i][rows, :, cols] = v.transpose(1, 2)
             return cache.k[i, block, :, :end], cache.v[i, block, :, :end]
 
-        if self.consistent and mask is not None:
+        if self.consistent and mask is not None and self.listed:
+            attention = self._rows_listed(store, first, b, starts, mask)
+        elif self.consistent and mask is not None:
             attention = self._rows_consistent(cache, first, starts, position_ids, mask)
         else:
             attention = self._attention(store, mask, causal)
@@ -275,6 +281,25 @@ class FastBackbone(Backbone):
             for j, start in enumerate(starts):
                 cache.lengths[first + j] = start + n
             return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
+
+    def _rows_listed(self, store, first: int, b: int, starts: list[int], mask: torch.Tensor):
+        """``attend`` for a row-consistent batched forward through ``listed_attention``: row r
+        attends its committed entries [0, starts[r]) then the new slots its mask allows, in
+        slot order (the keys a one-token forward of that request alone would see). mask:
+        (B, 1, n, L) as ``forward_rows`` takes it; every row must allow its committed entries."""
+        n = mask.shape[2]
+        trees = torch.stack([mask[r, 0, :, s:s + n] for r, s in enumerate(starts)]).cpu()
+        for r, s in enumerate(starts):
+            if s and not bool(mask[r, 0, :, :s].all()):
+                raise CadenceError(f"forward_rows: row {r}'s mask hides some of its committed entries")
+        prefix, extra, count = consistent.key_lists(trees, starts)
+        scale = 1.0 / math.sqrt(self.spec.head_dim)
+        ops = self._ops
+
+        def attend(i, q, k, v):
+            keys, values = store(i, k, v)  # (B, kv_heads, L, head_dim) views of the cache rows
+            return ops.listed_attention(q, keys, values, prefix, extra, count, scale)
+        return attend
 
     def _rows_consistent(self, cache: BatchKVCache, first: int, starts: list[int], position_ids: torch.Tensor,
                          mask: torch.Tensor):
@@ -359,6 +384,9 @@ class FastBackbone(Backbone):
         past = cache.length() if cache is not None else 0
         real = n  # rows asked for; a row-consistent forward pads fewer to MIN_QUERIES up front
         given_tree = tree_mask is not None  # no mask = a chain: no layout check, padded or not
+        listed = cache is not None and (past > 0 or tree_mask is not None) and self.listed
+        if listed:
+            return self._listed_forward(input_ids, cache, position_ids, tree_mask)
         if (self.pad_up_front and cache is not None and (past > 0 or tree_mask is not None)
                 and n < consistent.MIN_QUERIES):
             if position_ids is None:
@@ -414,6 +442,60 @@ class FastBackbone(Backbone):
             cache.advance(real)
         return x[:, :real]
 
+    @property
+    def listed(self) -> bool:
+        """Whether decode and verify forwards attend through ``listed_attention`` (the C++
+        extension's ``attention.cpp``): each row over its own keys in list order, so a row's
+        bits never depend on the rest of the forward, and a branching tree costs one call.
+        On in row-consistent mode (bf16 oneDNN) when the extension is built, on CPU, for the
+        head sizes it has kernels for; ``CADENCE_LISTED=0`` turns it off (then branching trees
+        attend once per path, ``PathAttention``)."""
+        if getattr(self, "_listed_on", None) is None:
+            self._resolve_native()
+            self._listed_on = bool(self.consistent and self._ops is not None and self.device.type == "cpu"
+                                   and self.spec.head_dim in LISTED_HEAD_DIMS and native.listed_enabled())
+        return self._listed_on
+
+    @property
+    def chains_only(self) -> bool:
+        """True when a branching tree costs more than a chain of its size (``PathAttention``:
+        one attention call per path): the tree policy then grows chains only."""
+        return self.consistent and not self.listed
+
+    def _listed_forward(self, input_ids, cache, position_ids, tree_mask) -> torch.Tensor:
+        """A decode or verify forward (``listed``): every row attends to the committed entries
+        then to its own tree ancestors (itself included; a chain when ``tree_mask`` is None),
+        listed in slot order, which are the keys plain decoding gives a token at its position.
+        input_ids: (b, n); tree_mask: (n, n) or None -> (b, n, hidden)."""
+        b, n = input_ids.shape
+        past = cache.length()
+        if cache.k.shape[1] != b:
+            raise CadenceError(f"cache holds batch {cache.k.shape[1]}, forward got batch {b}")
+        cache.reserve(n)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=self.device).expand(b, n)
+            top = past + n - 1
+        else:
+            position_ids = position_ids.to(self.device).expand(b, n)
+            top = int(position_ids.max())
+        cos, sin = self.rope.lookup(position_ids, top)
+        tree = torch.ones(n, n, dtype=torch.bool).tril_() if tree_mask is None else tree_mask.to("cpu", torch.bool)
+        lists = consistent.key_lists(tree.expand(b, n, n), [past] * b)
+        self._block_rows(True)
+        if self._native:
+            x = self._native.forward(input_ids.to(self.device), cos, sin, cache.k, cache.v, past, 0, None, False, False,
+                                     0, bool(self._blockable), None, list(lists))
+        else:  # the Python loop (tests compare the two): same kernel, same bits
+            scale = 1.0 / math.sqrt(self.spec.head_dim)
+
+            def attend(i, q, k, v):
+                cache.k[i, :, :, past:past + n] = k
+                cache.v[i, :, :, past:past + n] = v
+                return self._ops.listed_attention(q, cache.k[i], cache.v[i], *lists, scale)
+            x = self._layers_forward(input_ids, cos, sin, attend)
+        cache.advance(n)
+        return x
+
     def _resolve_native(self) -> None:
         """At the first forward: the C++ loop and fused kernels (``fast.native``), or neither.
         Decided once per backbone, so all its forwards (C++ or Python loop) share arithmetic."""
@@ -457,7 +539,7 @@ class FastBackbone(Backbone):
             folded = False
         k, v = (cache.k, cache.v) if cache is not None else (None, None)
         return self._native.forward(input_ids.to(self.device), cos, sin, k, v, past, keys if cache is not None else n,
-                                    mask, folded, causal, min_queries, steady and bool(self._blockable), None)
+                                    mask, folded, causal, min_queries, steady and bool(self._blockable), None, None)
 
     def _attention(self, store, mask, causal: bool, groups=None):
         """``attend(layer, q, k, v)`` for ``_layers_forward``: ``store(layer, k, v)`` (k, v of
@@ -490,7 +572,7 @@ class FastBackbone(Backbone):
         if self._native:  # the C++ loop, calling ``attend`` back for each layer's attention
             blocked = bool(self._blockable) and self._blockable[0].max_rows > 0  # as ``_block_rows`` left them
             return self._native.forward(input_ids.to(self.device), cos, sin, None, None, 0, 0, None, False, False, 0,
-                                        blocked, attend)
+                                        blocked, attend, None)
         b, n = input_ids.shape
         H, KV, hd = s.heads, s.kv_heads, s.head_dim
         x = F.embedding(input_ids.to(self.device), self.embed.weight)

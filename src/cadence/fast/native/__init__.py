@@ -22,13 +22,20 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "fused.cpp", "fused.h")]
+_SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "fused.cpp", "fused.h", "attention.cpp", "attention.h")]
+_CFLAGS = ["-O3", "-ffp-contract=off", "-march=native", "-fopenmp"]  # no fused multiply-adds: vector and scalar code agree
 _state: dict = {}  # "module": the loaded extension, or "error": why there is none
 
 
 def enabled() -> bool:
     """False when ``CADENCE_NATIVE=0`` (or ``false``/``off``)."""
     return os.environ.get("CADENCE_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def listed_enabled() -> bool:
+    """False when ``CADENCE_LISTED=0``: decode and verify forwards then attend through
+    PyTorch's kernel (branching bf16 trees once per path) instead of ``attention.cpp``."""
+    return os.environ.get("CADENCE_LISTED", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def module():
@@ -46,7 +53,7 @@ def module():
             print("cadence: compiling the native layer loop (once per machine and torch, about a minute)",
                   file=sys.stderr, flush=True)
         _state["module"] = cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
-                                              extra_cflags=["-O3", "-ffp-contract=off"],
+                                              extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                                               verbose=False)
     except Exception as exc:  # no compiler, no ninja, headers missing: the Python loop runs
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -61,7 +68,21 @@ def _digest() -> str:
 
     h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
     h.update(torch.__version__.encode())
+    h.update(" ".join(_CFLAGS).encode())
+    h.update(_cpu_identity().encode())  # -march=native: a build for one CPU never loads on another
     return h.hexdigest()[:12]
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux), empty where unknown."""
+    from cadence.fast.cpu import cpu_flags
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return model + " " + " ".join(sorted(cpu_flags()))
 
 
 _KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3}

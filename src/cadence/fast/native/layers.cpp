@@ -14,8 +14,10 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "attention.h"
 #include "fused.h"
 
+#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -155,7 +157,8 @@ class Layers {
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
                      const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                      int64_t past, int64_t keys, const std::optional<at::Tensor>& mask, bool folded, bool causal,
-                     int64_t min_queries, bool blocked, const pybind11::object& attend) const {
+                     int64_t min_queries, bool blocked, const pybind11::object& attend,
+                     const std::optional<std::vector<at::Tensor>>& lists) const {
     c10::InferenceMode guard;
     const int64_t b = input_ids.size(0), n = input_ids.size(1);
     const int64_t H = heads_, KV = kv_, hd = hd_;
@@ -178,7 +181,8 @@ class Layers {
       k = k.transpose(1, 2);
       v = v.transpose(1, 2);
       const at::Tensor att = attend.is_none()
-          ? attention(i, q, k, v, k_cache, v_cache, past, keys, mask, folded, causal, min_queries)
+          ? (lists ? listed(i, q, k, v, *k_cache, *v_cache, past, *lists)
+                   : attention(i, q, k, v, k_cache, v_cache, past, keys, mask, folded, causal, min_queries))
           : attend(static_cast<int64_t>(i), q, k, v).cast<at::Tensor>();
       x = x + L.o(att.transpose(1, 2).reshape({b, n, H * hd}), blocked);
       h = rms(x, L.ln2, eps_);
@@ -190,6 +194,17 @@ class Layers {
   }
 
  private:
+  // the store, then attention of each row over its listed keys (``attention.cpp``): lists
+  // = (prefix, extra, count) as ``listed_attention`` takes them, over the whole cache buffer
+  at::Tensor listed(size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, int64_t past, const std::vector<at::Tensor>& lists) const {
+    at::Tensor K = k_cache.select(0, i), V = v_cache.select(0, i);
+    const int64_t n = q.size(2);
+    K.narrow(2, past, n).copy_(k);
+    V.narrow(2, past, n).copy_(v);
+    return cadence::listed_attention(q, K, V, lists[0], lists[1], lists[2], 1.0 / std::sqrt(static_cast<double>(hd_)));
+  }
+
   // the store and the attention of ``FastBackbone._native_forward``'s forms (see ``forward``);
   // q: (b, H, n, hd), k, v: (b, KV, n, hd) -> (b, H, n, hd)
   at::Tensor attention(size_t i, const at::Tensor& q, at::Tensor k, at::Tensor v,
@@ -230,5 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &Layers::add_layer)
       .def("forward", &Layers::forward);
   m.def("rms_norm", &cadence::rms_norm, "weight * rms_norm(x) in x's dtype, one pass per row (fused.cpp)");
+  m.def("listed_attention", &cadence::listed_attention,
+        "attention of each row over its listed keys, row-consistent (attention.cpp)");
   m.def("rope", &cadence::rope, "x * cos + rotate_half(x) * sin, one pass per row (fused.cpp)");
 }

@@ -1,0 +1,398 @@
+// Row-consistent attention over listed keys: every query row attends to the keys its list
+// names, reduced in list order with a fixed grouping, so a row's output depends only on its
+// query and its keys/values, never on where they sit in the cache, how many keys other rows
+// have, or how many rows the call holds.
+//
+// That is what lossless bf16 speculation needs (``cadence.fast.consistent``): a tree node
+// must get the bits plain decoding gives it, although its ancestors sit at scattered cache
+// slots. Through PyTorch's CPU attention the masked gaps move the real keys to other lanes
+// of the kernel's reductions, so a branching tree attended once per root-to-leaf path
+// (``PathAttention``). Here a node lists the context's keys then its ancestors' slots, the
+// same keys in the same order as the one-token forward at its position: one call for any
+// tree, and the one-token forward itself goes through the same code.
+//
+// Arithmetic of one row (fp32 throughout; bf16 inputs are widened exactly):
+//   q' = q * scale                                          (one rounding per element)
+//   s_j = dot(q', k_j): 16 lane sums over head_dim, lane l taking elements l, l+16, ...
+//         in order, then the lanes added pairwise (8, 4, 2, 1 apart)
+//   m = max_j s_j;  p_j = exp_(s_j - m)  (``exp_``: one polynomial, the same for every j)
+//   z = 16 lane sums of p_j (lane j % 16, j in order), added pairwise as above
+//   o = (sum_j p_j * v_j, j in order) * (1 / z), rounded to the output dtype once
+// Compiled with -ffp-contract=off: no fused multiply-adds, so vector and scalar code agree.
+//
+// Knows: float32 and bfloat16 inputs whose last dimension is contiguous, grouped-query
+// heads. Does not know trees or caches: the caller lists the keys.
+
+#include "attention.h"
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace cadence {
+
+namespace {
+
+constexpr int LANES = 16;
+
+// 16 floats as one value: GCC/Clang lower it to one AVX-512 register, two AVX2 ones or four
+// SSE ones; its operators are lane-wise IEEE operations, so results do not depend on which.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint32_t u16w __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, i16{__VA_ARGS__})
+#endif
+
+inline v16 load(const float* p) {
+  v16 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+inline v16 load(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up 16
+  h16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u16w w = __builtin_convertvector(h, u16w) << 16;
+  v16 r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+}
+inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+
+// a * b + c rounded once, lane-wise: the instruction where there is one, else std::fma
+inline v16 fma(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 a2[2], b2[2], c2[2];
+  std::memcpy(a2, &a, sizeof a), std::memcpy(b2, &b, sizeof b), std::memcpy(c2, &c, sizeof c);
+  for (int h = 0; h < 2; ++h)
+    c2[h] = reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a2[h]), reinterpret_cast<__m256>(b2[h]),
+                                                 reinterpret_cast<__m256>(c2[h])));
+  v16 r;
+  std::memcpy(&r, c2, sizeof r);
+  return r;
+#else
+  for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
+#endif
+}
+inline v16 splat(float x) { return v16{} + x; }
+
+// exp(x) for x <= 0 (softmax arguments), 0 below -87: Cephes' expf polynomial, about 1 ulp,
+// lane-wise IEEE operations only (every lane takes the same path)
+inline v16 exp_(v16 x) {
+  const v16 t = x * 1.44269504088896341f;
+  const v16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  const v16 out = y * scale;
+  const i16 under = x < -87.0f;
+  i16 bits;
+  std::memcpy(&bits, &out, sizeof bits);
+  bits &= ~under;
+  v16 res;
+  std::memcpy(&res, &bits, sizeof res);
+  return res;
+}
+
+// Lane totals of 16 vectors at once: out[i] = the lanes of p[i] added pairwise 8, 4, 2 and
+// 1 apart, ((l + l+8) + (l+4 + l+12)) + ..., the same additions ``lane_total`` makes.
+inline v16 totals(const v16* p) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUFFLE(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUFFLE(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline float lane_total(v16 x) {
+  float part[LANES];
+  store(part, x);
+  for (int w = LANES / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
+
+// lane partial sums of q . k: lane l adds q[d] * k[d] for d = l, l + 16, ... in order
+template <int C>
+inline v16 partial(const v16* q, const float* k) {
+  v16 p{};
+  for (int c = 0; c < C; ++c) p = fma(q[c], load(k + 16 * c), p);
+  return p;
+}
+
+struct Lists {
+  const int32_t* prefix;  // (b, n): keys [0, prefix) first
+  const int32_t* extra;   // (b, n, E): then these slots, in order
+  const int32_t* count;   // (b, n): how many of extra
+  int64_t E;
+  inline int64_t size(int64_t row) const { return prefix[row] + count[row]; }
+  inline int64_t key(int64_t row, int64_t j) const {
+    return j < prefix[row] ? j : extra[row * E + (j - prefix[row])];
+  }
+};
+
+// The query vectors of one work item: grouped-query heads sharing one kv head, each at one
+// query row. Ranks [0, shared) name keys 0..shared-1 for every vector, so each block of 16
+// of them is widened once for all; later ranks are gathered per vector. C = head_dim / 16.
+template <typename T, int C>
+struct Item {
+  static constexpr int64_t D = 16 * C;
+  static constexpr int QB = C <= 4 ? 4 : 2;  // query vectors per register block
+  const T* K;
+  const T* V;
+  int64_t sk, sv;
+  float scale;
+  const Lists* lists;
+
+  // qs: query rows (D each), rows: the list row of each, outs: where each output goes
+  void operator()(const std::vector<const T*>& qs, const std::vector<int64_t>& rows, const std::vector<T*>& outs,
+                  std::vector<float>& buf) const {
+    const int64_t m = static_cast<int64_t>(qs.size());
+    int64_t shared = INT64_MAX, longest = 0;
+    for (int64_t row : rows) {
+      shared = std::min<int64_t>(shared, lists->prefix[row]);
+      longest = std::max<int64_t>(longest, lists->size(row));
+    }
+    shared = shared / LANES * LANES;
+    const int64_t width = (longest + LANES - 1) / LANES * LANES;  // scores per vector, padded
+    buf.resize(static_cast<size_t>(m * (width + 2 * D + 1) + LANES * D));
+    float* scores = buf.data();      // (m, width)
+    float* qf = scores + m * width;  // (m, D) scaled queries
+    float* acc = qf + m * D;         // (m, D) weighted sums of values
+    float* blk = acc + m * D;        // (16, D) one block of keys or values, widened
+    float* inv = blk + LANES * D;    // (m,) 1 / softmax total
+    for (int64_t i = 0; i < m; ++i)
+      for (int c = 0; c < C; ++c) store(qf + i * D + 16 * c, load(qs[i] + 16 * c) * scale);
+    v16 part[LANES], q[C], a[C];
+    for (int64_t j0 = 0; j0 < shared; j0 += LANES) {  // scores over the shared blocks
+      widen(K + j0 * sk, sk, blk);
+      int64_t i = 0;
+      for (; i + QB <= m; i += QB) shared_scores<QB>(qf + i * D, blk, scores + i * width + j0, width);
+      for (; i < m; ++i) shared_scores<1>(qf + i * D, blk, scores + i * width + j0, width);
+    }
+    for (int64_t i = 0; i < m; ++i) {  // the rest, gathered (padding ranks read key 0, then get -inf)
+      const int64_t c_i = lists->size(rows[i]);
+      for (int c = 0; c < C; ++c) q[c] = load(qf + i * D + 16 * c);
+      for (int64_t j0 = shared; j0 < width; j0 += LANES) {
+        for (int r = 0; r < LANES; ++r) {
+          const int64_t j = j0 + r;
+          const T* kj = K + (j < c_i ? lists->key(rows[i], j) : 0) * sk;
+          for (int c = 0; c < C; ++c) store(blk + r * D + 16 * c, load(kj + 16 * c));
+          part[r] = partial<C>(q, blk + r * D);
+        }
+        store(scores + i * width + j0, totals(part));
+      }
+      inv[i] = softmax(scores + i * width, c_i, width);
+    }
+    for (int64_t i = 0; i < m * D; ++i) acc[i] = 0.0f;
+    for (int64_t j0 = 0; j0 < shared; j0 += LANES) {  // values over the shared blocks, ranks in order
+      widen(V + j0 * sv, sv, blk);
+      int64_t i = 0;
+      for (; i + QB <= m; i += QB) shared_values<QB>(scores + i * width + j0, width, blk, acc + i * D);
+      for (; i < m; ++i) shared_values<1>(scores + i * width + j0, width, blk, acc + i * D);
+    }
+    for (int64_t i = 0; i < m; ++i) {  // the rest, gathered
+      const int64_t c_i = lists->size(rows[i]);
+      const float* p = scores + i * width;
+      for (int c = 0; c < C; ++c) a[c] = load(acc + i * D + 16 * c);
+      for (int64_t j = shared; j < c_i; ++j) {
+        const T* vj = V + lists->key(rows[i], j) * sv;
+        const v16 w = splat(p[j]);
+        for (int c = 0; c < C; ++c) a[c] = fma(w, load(vj + 16 * c), a[c]);
+      }
+      float o[LANES];
+      for (int c = 0; c < C; ++c) {
+        store(o, a[c] * inv[i]);
+        for (int l = 0; l < LANES; ++l) outs[i][16 * c + l] = static_cast<T>(o[l]);
+      }
+    }
+  }
+
+  // scores of Q query vectors (qf: (Q, D), scaled) against one widened block of 16 keys
+  // -> out[i * width + r]; each key chunk is loaded once for the Q vectors
+  template <int Q>
+  static void shared_scores(const float* qf, const float* blk, float* out, int64_t width) {
+    v16 q[Q][C], part[Q][LANES];
+    for (int i = 0; i < Q; ++i)
+      for (int c = 0; c < C; ++c) q[i][c] = load(qf + i * D + 16 * c);
+    for (int r = 0; r < LANES; ++r) {
+      v16 p[Q];
+      for (int i = 0; i < Q; ++i) p[i] = v16{};
+      for (int c = 0; c < C; ++c) {
+        const v16 kc = load(blk + r * D + 16 * c);
+        for (int i = 0; i < Q; ++i) p[i] = fma(q[i][c], kc, p[i]);
+      }
+      for (int i = 0; i < Q; ++i) part[i][r] = p[i];
+    }
+    for (int i = 0; i < Q; ++i) store(out + i * width, totals(part[i]));
+  }
+
+  // acc (Q, D) += the 16 weights of each vector (p: (Q, width) from this block) times the
+  // block's widened values, in rank order; each value chunk is loaded once for the Q vectors
+  template <int Q>
+  static void shared_values(const float* p, int64_t width, const float* blk, float* acc) {
+    v16 a[Q][C];
+    for (int i = 0; i < Q; ++i)
+      for (int c = 0; c < C; ++c) a[i][c] = load(acc + i * D + 16 * c);
+    for (int r = 0; r < LANES; ++r) {
+      v16 w[Q];
+      for (int i = 0; i < Q; ++i) w[i] = splat(p[i * width + r]);
+      for (int c = 0; c < C; ++c) {
+        const v16 vc = load(blk + r * D + 16 * c);
+        for (int i = 0; i < Q; ++i) a[i][c] = fma(w[i], vc, a[i][c]);
+      }
+    }
+    for (int i = 0; i < Q; ++i)
+      for (int c = 0; c < C; ++c) store(acc + i * D + 16 * c, a[i][c]);
+  }
+
+  // 16 rows of D (row stride ``stride``) widened to fp32 into blk (16, D)
+  static void widen(const T* src, int64_t stride, float* blk) {
+    for (int r = 0; r < LANES; ++r)
+      for (int c = 0; c < C; ++c) store(blk + r * D + 16 * c, load(src + r * stride + 16 * c));
+  }
+
+  // scores s (width, the first c real) -> softmax weights exp(s - max) in place; returns
+  // 1 / their total (16 lanes by rank, added pairwise)
+  static float softmax(float* s, int64_t c, int64_t width) {
+    for (int64_t j = c; j < width; ++j) s[j] = -INFINITY;
+    v16 mx = splat(-INFINITY);
+    for (int64_t j0 = 0; j0 < width; j0 += LANES) {
+      const v16 x = load(s + j0);
+      mx = x > mx ? x : mx;
+    }
+    float top = -INFINITY;
+    for (int l = 0; l < LANES; ++l) top = mx[l] > top ? mx[l] : top;
+    v16 z{};
+    for (int64_t j0 = 0; j0 < width; j0 += LANES) {
+      const v16 p = exp_(load(s + j0) - top);
+      store(s + j0, p);
+      z = z + p;
+    }
+    return 1.0f / lane_total(z);
+  }
+};
+
+template <typename T, int C>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Lists& lists, at::Tensor& out,
+         float scale) {
+  const int64_t b = q.size(0), H = q.size(1), n = q.size(2), KV = k.size(1);
+  const int64_t D = 16 * C, g = H / KV;
+  const int64_t per = g * n;  // query vectors per kv head
+  // at least two work items per thread where the vectors allow it
+  const int64_t pieces =
+      std::min<int64_t>(per, std::max<int64_t>(1, (2 * at::get_num_threads() + b * KV - 1) / (b * KV)));
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  at::parallel_for(0, b * KV * pieces, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    std::vector<const T*> qs;
+    std::vector<int64_t> rows;
+    std::vector<T*> outs;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t piece = item % pieces, kvh = (item / pieces) % KV, bi = item / (pieces * KV);
+      const Item<T, C> work{kp + bi * ks0 + kvh * ks1, vp + bi * vs0 + kvh * vs1, ks2, vs2, scale, &lists};
+      qs.clear(), rows.clear(), outs.clear();
+      for (int64_t x = piece * per / pieces; x < (piece + 1) * per / pieces; ++x) {  // x = head-in-group * n + row
+        const int64_t h = kvh * g + x / n, r = x % n;
+        qs.push_back(qp + bi * qs0 + h * qs1 + r * qs2);
+        rows.push_back(bi * n + r);
+        outs.push_back(op + ((bi * H + h) * n + r) * D);
+      }
+      work(qs, rows, outs, buf);
+    }
+  });
+}
+
+template <typename T>
+void dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Lists& lists, at::Tensor& out,
+              float scale) {
+  switch (q.size(3) / LANES) {
+    case 1: return run<T, 1>(q, k, v, lists, out, scale);
+    case 2: return run<T, 2>(q, k, v, lists, out, scale);
+    case 4: return run<T, 4>(q, k, v, lists, out, scale);
+    case 6: return run<T, 6>(q, k, v, lists, out, scale);
+    case 8: return run<T, 8>(q, k, v, lists, out, scale);
+    case 12: return run<T, 12>(q, k, v, lists, out, scale);
+    case 16: return run<T, 16>(q, k, v, lists, out, scale);
+    default: TORCH_CHECK(false, "listed_attention: head_dim 16, 32, 64, 96, 128, 192 or 256");
+  }
+}
+
+}  // namespace
+
+at::Tensor listed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& prefix,
+                            const at::Tensor& extra, const at::Tensor& count, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "listed_attention: q, k, v of 4 dims");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "listed_attention: CPU only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "listed_attention: dtypes");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "listed_attention: last dim contiguous");
+  const int64_t b = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
+  TORCH_CHECK(D % LANES == 0, "listed_attention: head_dim a multiple of 16");
+  TORCH_CHECK(k.size(0) == b && v.size(0) == b && k.size(3) == D && v.size(3) == D && H % k.size(1) == 0 &&
+                  v.size(1) == k.size(1) && v.size(2) == k.size(2),
+              "listed_attention: shapes");
+  TORCH_CHECK(prefix.scalar_type() == at::kInt && extra.scalar_type() == at::kInt && count.scalar_type() == at::kInt,
+              "listed_attention: int32 key lists");
+  TORCH_CHECK(prefix.numel() == b * n && count.numel() == b * n && extra.dim() == 3 && extra.size(0) == b &&
+                  extra.size(1) == n,
+              "listed_attention: key lists (b, n) and (b, n, E)");
+  const at::Tensor pc = prefix.contiguous(), ec = extra.contiguous(), cc = count.contiguous();
+  const Lists lists{pc.data_ptr<int32_t>(), ec.data_ptr<int32_t>(), cc.data_ptr<int32_t>(), ec.size(2)};
+  const int64_t L = k.size(2);
+  for (int64_t row = 0; row < b * n; ++row) {  // every listed key inside the buffers: no stray reads
+    TORCH_CHECK(lists.prefix[row] >= 0 && lists.count[row] >= 0 && lists.count[row] <= lists.E &&
+                    lists.size(row) > 0 && lists.prefix[row] <= L,
+                "listed_attention: bad key list");
+    for (int64_t j = 0; j < lists.count[row]; ++j) {
+      const int32_t key = lists.extra[row * lists.E + j];
+      TORCH_CHECK(key >= 0 && key < L, "listed_attention: key slot out of range");
+    }
+  }
+  at::Tensor out = at::empty({b, H, n, D}, q.options());
+  if (q.scalar_type() == at::kBFloat16) {
+    dispatch<at::BFloat16>(q, k, v, lists, out, static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "listed_attention: float32 or bfloat16");
+    dispatch<float>(q, k, v, lists, out, static_cast<float>(scale));
+  }
+  return out;
+}
+
+}  // namespace cadence

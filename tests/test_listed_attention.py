@@ -1,0 +1,137 @@
+"""Row-consistent attention over listed keys (``fast/native/attention.cpp``).
+
+A row's output must be the softmax attention over its keys (checked against float64), and
+its bits must depend on nothing but its query and the keys/values it lists, in order: not
+on where they sit in the cache, on how the list splits into a contiguous prefix and extra
+slots, on the other rows of the call, or on the thread count. That is what lets a branching
+bf16 tree verify in one call and still give every node plain decoding's bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cadence.fast import consistent, native
+
+needs_native = pytest.mark.skipif(native.module() is None, reason="the C++ extension could not be built here")
+
+
+def _lists(prefix: list[int], extras: list[list[int]]):
+    """One sequence: row r lists keys [0, prefix[r]) then extras[r]."""
+    n, e = len(extras), max(1, max(len(x) for x in extras))
+    extra = torch.zeros(1, n, e, dtype=torch.int32)
+    for r, x in enumerate(extras):
+        extra[0, r, :len(x)] = torch.tensor(x, dtype=torch.int32)
+    count = torch.tensor([[len(x) for x in extras]], dtype=torch.int32)
+    return torch.tensor([prefix], dtype=torch.int32), extra, count
+
+
+def _reference(q, k, v, keys: list[int]) -> torch.Tensor:
+    """float64 attention of one row q (H, D) over k, v (KV, L, D) at ``keys``."""
+    g = q.shape[0] // k.shape[0]
+    out = []
+    for h in range(q.shape[0]):
+        kk, vv = k[h // g, keys].double(), v[h // g, keys].double()
+        w = torch.softmax(q[h].double() @ kk.T / math.sqrt(q.shape[-1]), -1)
+        out.append(w @ vv)
+    return torch.stack(out)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_each_row_is_softmax_attention_over_its_listed_keys(dtype, tol, head_dim):
+    ops = native.module()
+    gen = torch.Generator().manual_seed(0)
+    H, KV, L = 6, 2, 200
+    k, v = (torch.randn(1, KV, L, head_dim, generator=gen).to(dtype) for _ in range(2))
+    q = (torch.randn(1, H, 4, head_dim, generator=gen) * 2).to(dtype)
+    prefix = [150, 150, 37, 0]
+    extras = [[150], [150, 152, 160], [40, 41, 199], [5, 3, 199]]  # any slots, any order
+    out = ops.listed_attention(q, k, v, *_lists(prefix, extras), 1 / math.sqrt(head_dim))
+    for r in range(4):
+        want = _reference(q[0, :, r], k[0], v[0], list(range(prefix[r])) + extras[r])
+        assert (out[0, :, r].double() - want).abs().max() < tol, r
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_slots_split_or_company(dtype):
+    """A tree node (context prefix + ancestors at scattered slots, beside 15 other rows)
+    and the same token decoded alone (its path copied right after the context, all of it
+    one contiguous prefix) get equal bits, for contexts across block boundaries."""
+    ops = native.module()
+    gen = torch.Generator().manual_seed(1)
+    H, KV, D, L = 9, 3, 64, 600
+    anc = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 1, 3, 6], [0, 1, 3, 6, 7]]
+    anc += [[0, 2, 5, 8 + i] for i in range(8)]  # 8 children of node 5
+    n = len(anc)
+    for past in (1, 15, 16, 17, 100, 255, 511):
+        k, v = (torch.randn(1, KV, L, D, generator=gen).to(dtype) for _ in range(2))
+        q = (torch.randn(1, H, n, D, generator=gen) * 3).to(dtype)
+        tree = torch.zeros(n, n, dtype=torch.bool)
+        for r, a in enumerate(anc):
+            tree[r, a] = True
+        out = ops.listed_attention(q, k, v, *consistent.key_lists(tree[None], [past]), 0.125)
+        for r, a in enumerate(anc):
+            K, V = k.clone(), v.clone()
+            slots = [past + x for x in a]
+            K[:, :, past:past + len(a)], V[:, :, past:past + len(a)] = k[:, :, slots], v[:, :, slots]
+            alone = ops.listed_attention(q[:, :, r:r + 1].contiguous(), K, V, *_lists([past + len(a)], [[]]), 0.125)
+            assert torch.equal(out[:, :, r], alone[:, :, 0]), (past, r)
+
+
+@needs_native
+def test_bits_do_not_depend_on_the_thread_count():
+    ops = native.module()
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(2, 3, 300, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(2, 9, 5, 64, generator=gen).to(torch.bfloat16)
+    tree = torch.ones(5, 5, dtype=torch.bool).tril_().expand(2, 5, 5)
+    lists = consistent.key_lists(tree, [250, 120])
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(ops.listed_attention(q, k, v, *lists, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_key_lists_put_the_context_first_then_each_rows_tree_slots_in_order():
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    prefix, extra, count = consistent.key_lists(torch.stack([tree, tree]), [100, 7])
+    assert prefix.tolist() == [[100] * 4, [7] * 4]
+    assert count.tolist() == [[1, 2, 2, 3]] * 2
+    assert [extra[0, r, :c].tolist() for r, c in enumerate(count[0].tolist())] == [[100], [100, 101], [100, 102],
+                                                                                   [100, 101, 103]]
+    assert extra[1, 3, :3].tolist() == [7, 8, 10]
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["slot", "count", "empty", "prefix", "head_dim", "dtype"])
+def test_bad_key_lists_are_refused_not_read(case):
+    ops = native.module()
+    k = v = torch.zeros(1, 1, 32, 64)
+    q = torch.zeros(1, 1, 1, 64)
+    prefix, extra, count = _lists([4], [[5]])
+    if case == "slot":
+        extra[0, 0, 0] = 32
+    elif case == "count":
+        count[0, 0] = 2
+    elif case == "empty":
+        prefix[0, 0], count[0, 0] = 0, 0
+    elif case == "prefix":
+        prefix[0, 0] = 33
+    elif case == "head_dim":
+        k = v = torch.zeros(1, 1, 32, 8)
+        q = torch.zeros(1, 1, 1, 8)
+    else:
+        q = q.double()
+    with pytest.raises(RuntimeError, match="listed_attention"):
+        ops.listed_attention(q, k, v, prefix, extra, count, 0.125)
