@@ -135,3 +135,46 @@ def test_bad_key_lists_are_refused_not_read(case):
         q = q.double()
     with pytest.raises(RuntimeError, match="listed_attention"):
         ops.listed_attention(q, k, v, prefix, extra, count, 0.125)
+
+
+@needs_native
+@pytest.mark.parametrize("listed", ["1", "0"])
+def test_a_bf16_fast_backbone_grows_branching_trees_only_with_listed_attention(listed, monkeypatch):
+    """With ``listed_attention`` a branching tree costs one attention call, so the tree
+    policy may grow any tree; without it (``CADENCE_LISTED=0``) chains only. The kernels'
+    name tells cached latency curves of the two apart."""
+    from tiny import tiny_backbone
+
+    from cadence.fast.cpu import onednn_available
+    from cadence.fast.model import FastBackbone
+
+    if not onednn_available():
+        pytest.skip("row-consistent mode is for oneDNN bf16")
+    monkeypatch.setenv("CADENCE_LISTED", listed)
+    plain = tiny_backbone("llama")
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain)
+    assert bb.consistent and bb.listed == (listed == "1")
+    assert bb.chains_only == (listed == "0")
+    assert bb.kernels.endswith("/listed") == (listed == "1")
+
+
+@needs_native
+def test_batched_rows_whose_mask_hides_committed_entries_are_refused():
+    from tiny import tiny_backbone
+
+    from cadence.errors import CadenceError
+    from cadence.fast.cpu import onednn_available
+    from cadence.fast.model import FastBackbone
+
+    if not onednn_available():
+        pytest.skip("row-consistent mode is for oneDNN bf16")
+    plain = tiny_backbone("llama")
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain)
+    cache = bb.new_batch_cache(1)
+    bb.forward_rows(torch.tensor([[1, 2, 3, 4]]), cache, 0, [0], need_logits=False)
+    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+    mask[..., 1] = False  # committed entry 1 hidden
+    with pytest.raises(CadenceError, match="hides"):
+        bb.forward_rows(torch.tensor([[5]]), cache, 0, [4], attn_mask=mask)

@@ -26,10 +26,16 @@ nodes), so a tree whose nodes reach into the next 64-key block attends over the 
 as the one-token forward at the same context.
 
 In a branching tree a node's ancestors sit at scattered cache slots; with the gaps masked
-the real keys still land in other lanes of the kernel's reductions, so each root-to-leaf
-path attends in turn from the slots plain decoding gives it (``PathAttention``). That
-costs one attention call per path and layer (about 4 ms per extra path for SmolLM2 on the
-EPYC), so backbones in this mode grow chains only (``Backbone.chains_only``).
+the real keys still land in other lanes of the kernel's reductions. Where the C++ extension
+is built, decode and verify forwards therefore attend through its ``listed_attention``
+(``native/attention.cpp``): each row over the keys it lists (the context, then its
+ancestors), reduced in list order whatever their slots, rows or thread count, so plain
+decoding and any tree give a token the same bits in one call per layer (``key_lists``
+makes the lists); the padding and key rounding below are then not needed for attention.
+Without the extension each root-to-leaf path attends in turn from the slots plain
+decoding gives it (``PathAttention``): one attention call per path and layer (about 4 ms
+per extra path for SmolLM2 on the EPYC), so backbones in that mode grow chains only
+(``Backbone.chains_only``).
 
 Measured with the shipped SmolLM2 in bf16, 2 threads (``benchmarks/consistency.py``: root
 logits of a 1-token forward against trees of 2-33 nodes on random contexts of 50-400

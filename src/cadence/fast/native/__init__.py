@@ -6,8 +6,12 @@ ninja; about a minute on 2 cores, then cached under torch's extension directory,
 loop makes the same ATen calls as ``FastBackbone._layers_forward`` in the same order, so
 its outputs are bit-identical (``tests/test_native.py``); it only removes the Python
 interpreter between them (about 4,000 calls per SmolLM2 forward).
-Does not know: which forwards it may run; ``FastBackbone`` decides (decode and chain
-verify forwards, prefills, cache-free forwards; not branching trees or batched rows).
+``attention.cpp`` adds ``listed_attention``, the row-consistent attention of bf16 decode and
+verify forwards (``FastBackbone.listed``). The build uses ``-march=native`` (named by the
+CPU's model and flags, so a cached build never loads on another CPU) and no fused
+multiply-adds outside explicit ones.
+Does not know: which forwards it may run; ``FastBackbone`` decides (every forward; branching
+trees without ``listed_attention`` and batched rows call their Python attention back).
 
 ``CADENCE_NATIVE=0`` turns it off (the Python loop runs); a failed build warns once and
 falls back to Python too.

@@ -5,8 +5,9 @@
 //
 // Knows: the projections' kernels (``kernels.Linear``'s kinds: aten, oneDNN, int8, int4,
 // with its row padding and blocking), RMSNorm, RoPE from the looked-up table, the cache
-// store and the two attention forms the Python path uses (a folded grouped-query call with
-// an additive mask, or plain SDPA). Same ops, same arguments: same bits (tested).
+// store and the attention forms the Python path uses (a folded grouped-query call with an
+// additive mask, plain SDPA, or ``listed_attention`` over per-row key lists). Same ops,
+// same arguments: same bits (tested).
 // Does not know: trees, masks' meaning, row groups or paths: Python prepares the mask
 // (already folded) and the key count and keeps the forwards this does not cover.
 
@@ -153,7 +154,10 @@ class Layers {
   // min_queries rows (``consistent.attend``). attend: None for the above, else a Python
   // callable ``attend(layer, q, k, v)`` (``FastBackbone._attention`` / ``_path_attention``,
   // ``forward_rows``' forms) that stores and attends itself; the cache arguments are then
-  // unused. Returns (b, n, hidden) after the final norm.
+  // unused. lists: (prefix, extra, count) of ``consistent.key_lists``: the new entries are
+  // stored at [past, past + n) and each row attends its listed slots (``listed_attention``);
+  // mask, keys, folded and min_queries are then unused. Returns (b, n, hidden) after the
+  // final norm.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
                      const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                      int64_t past, int64_t keys, const std::optional<at::Tensor>& mask, bool folded, bool causal,
