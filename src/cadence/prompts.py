@@ -89,6 +89,24 @@ def sharegpt_items(split: str, path: str | Path | None = None) -> Iterator[Promp
         yield PromptItem(key=key, prompt=prompt, reference=reply)
 
 
+def sharegpt_later_turns(split: str, path: str | Path | None = None, min_chars: int = 40) -> Iterator[PromptItem]:
+    """Human turns after the first of each ShareGPT conversation in ``split``, as stand-alone
+    prompts of at least ``min_chars`` characters (the split is the conversation's, so no turn
+    of a held-out conversation is ever yielded for 'train'). Key: ``sharegpt:ID:TURN``.
+    Example: turns human, gpt, human("Now in French, please ...") -> that second human turn."""
+    want_held_out = {"train": False, "heldout": True}[split]
+    for conv in iter_sharegpt_conversations(path):
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        if held_out(f"sharegpt:{conv.get('id')}") != want_held_out:
+            continue
+        for t, turn in enumerate(turns[1:], start=1):
+            prompt = (turn.get("value") or "").strip()
+            if turn.get("from") == "human" and len(prompt) >= min_chars:
+                yield PromptItem(key=f"sharegpt:{conv.get('id')}:{t}", prompt=prompt)
+
+
 def gsm8k_dir() -> Path:
     """GSM8K location: ``$CADENCE_GSM8K_DIR``, else the repo's ``data/gsm8k``, else ``../shared``."""
     env = os.environ.get("CADENCE_GSM8K_DIR")

@@ -52,8 +52,10 @@ class DistillConfig:
 
     out: str = field(default=DEFAULT_STORE, metadata={
         "help": "store directory (created; an existing store is appended to)"})
-    sources: list[str] = field(default_factory=lambda: ["sharegpt", "gsm8k", "code", "writing"], metadata={
-        "help": "sharegpt | gsm8k | code | writing | path.jsonl (see cadence.training.sources)"})
+    sources: list[str] = field(default_factory=lambda: ["sharegpt", "gsm8k", "code", "writing", "sharegpt-turns",
+                                                        "code-packages"], metadata={
+        "help": "sharegpt | gsm8k | code | writing | sharegpt-turns | code-packages | path.jsonl "
+                "(see cadence.training.sources)"})
     mode: str = field(default="generate", metadata={
         "help": "generate: backbone writes replies; reference: use the source's own replies (no generation)"})
     max_prompts: int = field(default=0, metadata={

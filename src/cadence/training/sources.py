@@ -19,6 +19,12 @@ Sources (``DistillConfig.sources``):
 - ``writing``: creative-writing requests: training ShareGPT turns that pass the
   benchmark's ``is_creative_writing`` filter, alternating with templated requests
   (a form such as poem / short story / letter, a topic, an audience or tone).
+- ``sharegpt-turns``: the later human turns of the same training conversations, each as a
+  stand-alone prompt (at least 40 characters; ``cadence.prompts.sharegpt_later_turns``).
+  Added in session 14, when the four sources above were used up.
+- ``code-packages``: HumanEval-style "complete this function" prompts, as ``code``'s first
+  half, from the installed third-party packages (the interpreter's ``purelib``: torch,
+  transformers, numpy, ...; their test directories left out). Also added in session 14.
 - ``PATH.jsonl``: user prompts, one ``{"prompt": ...}`` per line.
 
 Mixing: each source is shuffled by ``seed`` on its own (``code`` and ``writing`` shuffle
@@ -50,9 +56,10 @@ from cadence.prompts import (
     jsonl_items,
     prompt_hash,
     sharegpt_items,
+    sharegpt_later_turns,
 )
 
-NAMED = ("sharegpt", "gsm8k", "code", "writing")
+NAMED = ("sharegpt", "gsm8k", "code", "writing", "sharegpt-turns", "code-packages")
 
 # ---------------------------------------------------------------- evaluation prompts
 
@@ -108,12 +115,16 @@ _STDLIB_SKIP = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", 
                 "dist-packages", "pydoc_data", "__pycache__", "encodings", "venv", "config-3"}
 
 
+_PACKAGE_SKIP = {"_vendor", "vendor", "testing", "benchmarks", "examples", "_distutils", "pip", "setuptools",
+                 "pkg_resources", "_pytest", "pytest", "cadence"}
+
+
 def is_code_request(prompt: str) -> bool:
     return bool(_CODE_REQUEST.search(prompt[:1000]))
 
 
-def stdlib_function_items(root: str | Path | None = None, min_doc: int = 60, max_doc: int = 1200
-                          ) -> list[PromptItem]:
+def stdlib_function_items(root: str | Path | None = None, min_doc: int = 60, max_doc: int = 1200,
+                          skip: frozenset[str] | set[str] = frozenset()) -> list[PromptItem]:
     """HumanEval-style prompts from public, documented top-level functions of the stdlib.
 
     Each prompt is the function's ``def`` line(s) and docstring, verbatim, inside the
@@ -126,7 +137,7 @@ def stdlib_function_items(root: str | Path | None = None, min_doc: int = 60, max
     items = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if any(part in _STDLIB_SKIP or part.startswith("config-") for part in rel.parts[:-1]):
+        if any(part in _STDLIB_SKIP or part in skip or part.startswith("config-") for part in rel.parts[:-1]):
             continue
         try:
             text = path.read_text(encoding="utf-8")
@@ -150,6 +161,14 @@ def stdlib_function_items(root: str | Path | None = None, min_doc: int = 60, max
             items.append(PromptItem(key=f"pystdlib:{module}.{node.name}",
                                     prompt=HUMANEVAL_INSTRUCTION.format(prompt=snippet)))
     return items
+
+
+def package_function_items(root: str | Path | None = None) -> list[PromptItem]:
+    """``stdlib_function_items`` over the installed third-party packages (``purelib``), keys
+    ``pypkg:MODULE.NAME``; test and vendored directories are left out."""
+    root = Path(root or sysconfig.get_paths()["purelib"])
+    items = stdlib_function_items(root, skip=_PACKAGE_SKIP)
+    return [PromptItem(key="pypkg:" + it.key.split(":", 1)[1], prompt=it.prompt) for it in items]
 
 
 def code_items(seed: int = 0) -> Iterator[PromptItem]:
@@ -239,6 +258,10 @@ def source_items(name: str, seed: int = 0) -> list[PromptItem]:
         return list(code_items(seed))
     if name == "writing":
         return list(writing_items(seed))
+    if name == "sharegpt-turns":
+        return _shuffled(list(sharegpt_later_turns("train")), f"{seed}:sharegpt-turns")
+    if name == "code-packages":
+        return _shuffled(package_function_items(), f"{seed}:code-packages")
     if name.endswith(".jsonl"):
         return _shuffled(list(jsonl_items(name)), f"{seed}:{name}")
     raise CadenceError(f"unknown prompt source {name!r}: use {', '.join(NAMED)} or a .jsonl file")
