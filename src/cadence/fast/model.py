@@ -395,16 +395,8 @@ class FastBackbone(Backbone):
                 input_ids, position_ids.to(self.device).expand(b, n), tree_mask)
             n = input_ids.shape[1]
         if cache is not None:
-            if cache.k.shape[1] != b:
-                raise CadenceError(f"cache holds batch {cache.k.shape[1]}, forward got batch {b}")
-            cache.reserve(n)
-        if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=self.device).expand(b, n)
-            top = past + n - 1
-        else:
-            position_ids = position_ids.to(self.device).expand(b, n)
-            top = int(position_ids.max())
-        cos, sin = self.rope.lookup(position_ids, top)
+            self._reserve(cache, b, n)
+        position_ids, cos, sin = self._positions(position_ids, b, n, past)
         mask = self._mask(n, past, tree_mask, cache is not None)
         causal = mask is None and tree_mask is None and n > 1  # plain causal over new tokens only
         if pad is not None and not bool(pad.all()) and not _right_padded(pad):
@@ -462,16 +454,16 @@ class FastBackbone(Backbone):
         one attention call per path): the tree policy then grows chains only."""
         return self.consistent and not self.listed
 
-    def _listed_forward(self, input_ids, cache, position_ids, tree_mask) -> torch.Tensor:
-        """A decode or verify forward (``listed``): every row attends to the committed entries
-        then to its own tree ancestors (itself included; a chain when ``tree_mask`` is None),
-        listed in slot order, which are the keys plain decoding gives a token at its position.
-        input_ids: (b, n); tree_mask: (n, n) or None -> (b, n, hidden)."""
-        b, n = input_ids.shape
-        past = cache.length()
+    @staticmethod
+    def _reserve(cache: StaticKVCache, b: int, n: int) -> None:
+        """Room for n more entries in a cache of batch b (an error for another batch)."""
         if cache.k.shape[1] != b:
             raise CadenceError(f"cache holds batch {cache.k.shape[1]}, forward got batch {b}")
         cache.reserve(n)
+
+    def _positions(self, position_ids, b: int, n: int, past: int):
+        """(position_ids (b, n), cos, sin) for n new tokens after ``past`` (default positions
+        past .. past + n - 1), RoPE looked up once for the forward."""
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=self.device).expand(b, n)
             top = past + n - 1
@@ -479,6 +471,17 @@ class FastBackbone(Backbone):
             position_ids = position_ids.to(self.device).expand(b, n)
             top = int(position_ids.max())
         cos, sin = self.rope.lookup(position_ids, top)
+        return position_ids, cos, sin
+
+    def _listed_forward(self, input_ids, cache, position_ids, tree_mask) -> torch.Tensor:
+        """A decode or verify forward (``listed``): every row attends to the committed entries
+        then to its own tree ancestors (itself included; a chain when ``tree_mask`` is None),
+        listed in slot order, which are the keys plain decoding gives a token at its position.
+        input_ids: (b, n); tree_mask: (n, n) or None -> (b, n, hidden)."""
+        b, n = input_ids.shape
+        past = cache.length()
+        self._reserve(cache, b, n)
+        _, cos, sin = self._positions(position_ids, b, n, past)
         tree = torch.ones(n, n, dtype=torch.bool).tril_() if tree_mask is None else tree_mask.to("cpu", torch.bool)
         lists = consistent.key_lists(tree.expand(b, n, n), [past] * b)
         self._block_rows(True)
