@@ -178,3 +178,27 @@ def test_batched_rows_whose_mask_hides_committed_entries_are_refused():
     mask[..., 1] = False  # committed entry 1 hidden
     with pytest.raises(CadenceError, match="hides"):
         bb.forward_rows(torch.tensor([[5]]), cache, 0, [4], attn_mask=mask)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + FMA; SSE2 only (std::fma per lane)
+def test_the_avx2_and_generic_builds_give_the_same_attention(march):
+    """The kernel's other code paths, built for an AVX2-only CPU and for plain x86-64 (run
+    here when this CPU has those instructions, which every AVX-512 CPU does): float64-close
+    and row-consistent like the native build. About a minute each to compile."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("x86-64 with AVX2 only")
+    ops = native.build_variant(f"cadence_layers_{march.replace('-', '_')}", march)
+    gen = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(1, 3, 300, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = (torch.randn(1, 9, 4, 64, generator=gen) * 2).to(torch.bfloat16)
+    lists = _lists([250, 250, 250, 17], [[250], [250, 251], [250, 252], [20, 21]])
+    out = ops.listed_attention(q, k, v, *lists, 0.125)
+    for r, keys in enumerate([list(range(251)), list(range(252)), list(range(251)) + [252], list(range(17)) + [20, 21]]):
+        assert (out[0, :, r].double() - _reference(q[0, :, r], k[0], v[0], keys)).abs().max() < 1e-2, r
+    K, V = k.clone(), v.clone()
+    K[:, :, 251], V[:, :, 251] = k[:, :, 252], v[:, :, 252]  # row 2's keys laid out as plain decoding's
+    alone = ops.listed_attention(q[:, :, 2:3].contiguous(), K, V, *_lists([252], [[]]), 0.125)
+    assert torch.equal(alone[:, :, 0], out[:, :, 2])

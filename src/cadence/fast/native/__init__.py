@@ -66,6 +66,17 @@ def module():
     return _state.get("module")
 
 
+def build_variant(name: str, march: str):
+    """The extension built for another instruction set (``-march=MARCH``) under its own
+    name, e.g. ``x86-64-v3`` (AVX2 + FMA) on an AVX-512 machine: tests run the code paths
+    of CPUs they are not on. Not cached by CPU; not for decoding."""
+    from torch.utils import cpp_extension
+
+    flags = [f if not f.startswith("-march=") else f"-march={march}" for f in _CFLAGS]
+    return cpp_extension.load(name=f"{name}_{_digest()}", sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
+                              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
 def _digest() -> str:
     """Names the build by the source and torch version, so an edit or a new torch rebuilds."""
     import hashlib
