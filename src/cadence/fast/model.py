@@ -3,7 +3,9 @@
 Knows: how to run the decoder layers of a loaded transformers Llama/Mistral/Qwen2/Qwen3
 model with fused QKV and gate/up projections (``kernels.Linear``), RMSNorm through
 ``F.rms_norm``, RoPE from a table (``rope``), attention through
-``scaled_dot_product_attention`` with one boolean mask shared by all layers, and a
+``scaled_dot_product_attention`` with one boolean mask shared by all layers (in
+row-consistent bf16, decode and verify forwards attend through the extension's
+``listed_attention`` instead: each row over its own listed keys, ``listed``), and a
 preallocated cache (``cache.StaticKVCache``) written in place. The layer loop runs in C++
 where the extension builds (``fast.native``: same ATen calls, fused RMSNorm/RoPE); the
 Python loop below is its reference and its fallback, and both give the same bits.
@@ -270,7 +272,7 @@ class FastBackbone(Backbone):
             return cache.k[i, block, :, :end], cache.v[i, block, :, :end]
 
         if self.consistent and mask is not None and self.listed:
-            attention = self._rows_listed(store, first, b, starts, mask)
+            attention = self._rows_listed(store, starts, mask)
         elif self.consistent and mask is not None:
             attention = self._rows_consistent(cache, first, starts, position_ids, mask)
         else:
@@ -282,7 +284,7 @@ class FastBackbone(Backbone):
                 cache.lengths[first + j] = start + n
             return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
 
-    def _rows_listed(self, store, first: int, b: int, starts: list[int], mask: torch.Tensor):
+    def _rows_listed(self, store, starts: list[int], mask: torch.Tensor):
         """``attend`` for a row-consistent batched forward through ``listed_attention``: row r
         attends its committed entries [0, starts[r]) then the new slots its mask allows, in
         slot order (the keys a one-token forward of that request alone would see). mask:
@@ -384,8 +386,7 @@ class FastBackbone(Backbone):
         past = cache.length() if cache is not None else 0
         real = n  # rows asked for; a row-consistent forward pads fewer to MIN_QUERIES up front
         given_tree = tree_mask is not None  # no mask = a chain: no layout check, padded or not
-        listed = cache is not None and (past > 0 or tree_mask is not None) and self.listed
-        if listed:
+        if cache is not None and (past > 0 or tree_mask is not None) and self.listed:  # decode or verify
             return self._listed_forward(input_ids, cache, position_ids, tree_mask)
         if (self.pad_up_front and cache is not None and (past > 0 or tree_mask is not None)
                 and n < consistent.MIN_QUERIES):
