@@ -184,8 +184,9 @@ def test_batched_rows_whose_mask_hides_committed_entries_are_refused():
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + FMA; SSE2 only (std::fma per lane)
 def test_the_avx2_and_generic_builds_give_the_same_attention(march):
     """The kernel's other code paths, built for an AVX2-only CPU and for plain x86-64 (run
-    here when this CPU has those instructions, which every AVX-512 CPU does): float64-close
-    and row-consistent like the native build. About a minute each to compile."""
+    here when this CPU has those instructions, which every AVX-512 CPU does): float64-close,
+    row-consistent, and bit for bit the native build's (every operation is a lane-wise IEEE
+    one, fused multiply-adds included). About a minute each to compile."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in open("/proc/cpuinfo").read():
@@ -196,6 +197,10 @@ def test_the_avx2_and_generic_builds_give_the_same_attention(march):
     q = (torch.randn(1, 9, 4, 64, generator=gen) * 2).to(torch.bfloat16)
     lists = _lists([250, 250, 250, 17], [[250], [250, 251], [250, 252], [20, 21]])
     out = ops.listed_attention(q, k, v, *lists, 0.125)
+    if native.module() is not None:
+        assert torch.equal(out, native.module().listed_attention(q, k, v, *lists, 0.125))
+        assert torch.equal(ops.listed_attention(q.float(), k.float(), v.float(), *lists, 0.125),
+                           native.module().listed_attention(q.float(), k.float(), v.float(), *lists, 0.125))
     for r, keys in enumerate([list(range(251)), list(range(252)), list(range(251)) + [252], list(range(17)) + [20, 21]]):
         assert (out[0, :, r].double() - _reference(q[0, :, r], k[0], v[0], keys)).abs().max() < 1e-2, r
     K, V = k.clone(), v.clone()

@@ -13,15 +13,26 @@
 //
 // Arithmetic of one row (fp32 throughout; bf16 inputs are widened exactly):
 //   q' = q * scale                                          (one rounding per element)
-//   s_j = dot(q', k_j): 16 lane sums over head_dim, lane l taking elements l, l+16, ...
-//         in order, then the lanes added pairwise (8, 4, 2, 1 apart)
+//   s_j = dot(q', k_j): 16 lane sums over head_dim, lane l accumulating elements l, l+16,
+//         ... in order by fused multiply-add, then the lanes added pairwise (8, 4, 2, 1 apart)
 //   m = max_j s_j;  p_j = exp_(s_j - m)  (``exp_``: one polynomial, the same for every j)
 //   z = 16 lane sums of p_j (lane j % 16, j in order), added pairwise as above
-//   o = (sum_j p_j * v_j, j in order) * (1 / z), rounded to the output dtype once
-// Compiled with -ffp-contract=off: no fused multiply-adds, so vector and scalar code agree.
+//   o = (sum_j p_j * v_j by fused multiply-add, j in order) * (1 / z), rounded to the
+//       output dtype once
+// Every operation is a lane-wise IEEE one on 16-float vectors (``v16``); fused multiply-adds
+// are explicit (``fma``) and -ffp-contract=off keeps the compiler from fusing anything else,
+// so the bits do not depend on the vector width the compiler picks: builds for AVX-512,
+// AVX2 + FMA and plain x86-64 (``std::fma`` per lane) give the same bits
+// (tests/test_listed_attention.py).
+//
+// Work: a block of 16 ranks that every row of a work item shares (the context) is widened
+// to fp32 once and used by up to 4 query vectors at a time (``shared_scores``,
+// ``shared_values``); a row's own ranks (its tree ancestors) are gathered per row. Items are
+// (batch, kv head, a share of the query vectors of that kv head), at least two per thread.
 //
 // Knows: float32 and bfloat16 inputs whose last dimension is contiguous, grouped-query
-// heads. Does not know trees or caches: the caller lists the keys.
+// heads, head sizes 16 x {1, 2, 4, 6, 8, 12, 16}. Does not know trees or caches: the caller
+// lists the keys.
 
 #include "attention.h"
 
