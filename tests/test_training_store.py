@@ -175,6 +175,37 @@ def test_sigterm_and_ctrl_c_keep_finished_sequences(env, tmp_path, monkeypatch):
     assert D.run_distill(_cfg(out), env["backbone"], _items(12))["sequences"] == 12
 
 
+def test_a_second_sigterm_does_not_cut_the_flush_short(env, tmp_path, monkeypatch):
+    """`timeout -s TERM` and a kill of its process group each send SIGTERM: the second one
+    arrived while the first was writing the finished sequences, and the run died with a
+    traceback, the batch lost (session 14)."""
+    import os
+    import signal
+
+    out = tmp_path / "store"
+    real, real_log = D.generate_batch, D._log
+    calls = {"n": 0}
+
+    def interrupted(backbone, prompts, cfg):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(backbone, prompts, cfg)
+
+    def log(msg):
+        if msg.startswith("interrupted"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the second signal, during the flush
+            os.kill(os.getpid(), signal.SIGINT)
+        real_log(msg)
+
+    monkeypatch.setattr(D, "generate_batch", interrupted)
+    monkeypatch.setattr(D, "_log", log)
+    before = signal.getsignal(signal.SIGTERM)
+    m = D.run_distill(_cfg(out, batch_size=2, shard_prompts=100), env["backbone"], _items(12))
+    assert m["sequences"] >= 4 and verify_store(out)["sequences"] == m["sequences"]
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_flush_by_time(env, tmp_path):
     out = tmp_path / "store"
     m = D.run_distill(_cfg(out, batch_size=2, shard_prompts=100, flush_seconds=0), env["backbone"], _items(6))

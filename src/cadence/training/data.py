@@ -325,8 +325,14 @@ class _DistillRun:
             self._drain(pool)
             self.flush(True)
         except (_Stop, KeyboardInterrupt):
-            _log("interrupted: writing the finished sequences")
-            self.flush(True)
+            main = threading.current_thread() is threading.main_thread()
+            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # a second Ctrl-C waits
+            try:
+                _log("interrupted: writing the finished sequences")
+                self.flush(True)
+            finally:
+                if old_int is not None:
+                    signal.signal(signal.SIGINT, old_int)
         finally:
             if old is not None:
                 signal.signal(signal.SIGTERM, old)
@@ -434,6 +440,9 @@ class _DistillRun:
 
 
 def _on_term(signum, frame):
+    # one SIGTERM is enough: `timeout` and a process-group kill both send one, and a second
+    # must not cut short the flush of the finished sequences (``run`` restores the handler)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Stop()
 
 
