@@ -4,12 +4,12 @@ Knows: one fact of GNU OpenMP (libgomp, the runtime of torch's CPU wheels). Each
 that starts a parallel region gets its own pool of OpenMP threads, kept afterwards. Once the
 main thread has one (loading a model makes it) and a worker thread makes another, libgomp
 manages more threads than there are CPUs and stops spinning between regions: every region
-then waits for its threads to wake. On 2 cores, SmolLM2's forwards ran at single-thread
-speed in the server's worker (a one-token forward 37 ms against 22 in the main thread, a
-576 x 3072 bf16 GEMM 266 us against 138, its process using 1.2 of 2 cores; `cadence
-serve` plain decoding 25 tok/s against 46 in process). Releasing the main thread's pool
-(``omp_pause_resource_all``, OpenMP 5.0) before the worker starts restores it (156 us at
-2.0 cores). The main thread can still start regions later; it just makes a new pool.
+then waits for its threads to wake. On 2 cores, small bf16 GEMMs on the server's worker
+kept 1.2 of 2 cores busy (``tests/test_threads.py``) and `cadence serve` decoded plain at
+25 tok/s against 46 in process (``benchmarks/serve_load.py``, ``batch_sweep.py``).
+Releasing the main thread's pool (``omp_pause_resource_all``, OpenMP 5.0) before the
+worker starts restores it (2.0 cores). The main thread can still start regions later; it
+just makes a new pool.
 
 Does not know torch's API for this (it has none); runtimes without the call (Intel's or
 LLVM's OpenMP, macOS) are left alone.

@@ -28,6 +28,7 @@ import torch
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "fused.cpp", "fused.h", "attention.cpp", "attention.h")]
 _CFLAGS = ["-O3", "-ffp-contract=off", "-march=native", "-fopenmp"]  # no fused multiply-adds: vector and scalar code agree
+_LDFLAGS = ["-fopenmp"]
 _state: dict = {}  # "module": the loaded extension, or "error": why there is none
 
 
@@ -57,7 +58,7 @@ def module():
             print("cadence: compiling the native layer loop (once per machine and torch, about a minute)",
                   file=sys.stderr, flush=True)
         _state["module"] = cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
-                                              extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                              extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                                               verbose=False)
     except Exception as exc:  # no compiler, no ninja, headers missing: the Python loop runs
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -74,7 +75,7 @@ def build_variant(name: str, march: str):
 
     flags = [f if not f.startswith("-march=") else f"-march={march}" for f in _CFLAGS]
     return cpp_extension.load(name=f"{name}_{_digest()}", sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
-                              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+                              extra_cflags=flags, extra_ldflags=_LDFLAGS, verbose=False)
 
 
 def _digest() -> str:
