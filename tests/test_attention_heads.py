@@ -420,3 +420,84 @@ def test_drafting_kernels_match_the_modules_and_follow_weight_changes(dtype):
     kern = packed(block, {"o": [block.self_attn.o_proj]})
     if kern is not None:  # CPU with oneDNN: one rebuild per change, none without one
         assert packed(block, {"o": [block.self_attn.o_proj]}) is kern
+
+
+@pytest.mark.parametrize("input_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_forward_in_cpp_gives_the_python_bits_and_forward_prefix_outputs(dtype, input_norm, monkeypatch):
+    """``Block.draft_forward`` (entries written into the cache's scratch rows, one SDPA call
+    over the buffer) runs in C++ where the extension is built: the same bits as its Python
+    form, and the same outputs as ``forward_prefix`` given the same keys and mask."""
+    from cadence.fast import native
+    from cadence.heads import attn_block
+    from cadence.heads.attn_block import KV, Block, BlockShape
+
+    torch.manual_seed(1)
+    shape = BlockShape(64, 4, 2, 16, 96, 1e-5, 10000.0)
+    block = Block(shape, input_norm=input_norm).to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    kv = KV(shape, 0, torch.device("cpu"), dtype, capacity=4)
+    kv.append(torch.randn(6, 2, 16).to(dtype), torch.randn(6, 2, 16).to(dtype))
+    scratch_k, scratch_v = torch.randn(2, 2, 16).to(dtype), torch.randn(2, 2, 16).to(dtype)
+    x, pos = torch.randn(3, 64).to(dtype), torch.tensor([7, 7, 7])
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    mask[:, 6:] = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 1, 0, 0, 1]], dtype=torch.bool)
+
+    def run():
+        kv.reserve_rows(8)
+        kv.kbuf[6:8], kv.vbuf[6:8] = scratch_k, scratch_v  # two drafted entries before this level
+        with torch.no_grad():
+            return block.draft_forward(x, pos, kv, 8, mask), kv.kbuf[8:11].clone()
+
+    got, keys = run()  # capacity 4 -> 16: the scratch rows survive the growth
+    assert kv.kbuf.shape[0] >= 11 and kv.n == 6
+    if native.module() is not None:
+        assert attn_block._native_block(block, block.decode_kernels()) is not None
+        monkeypatch.setattr(attn_block, "_native_block", lambda *a: None)
+        want, want_keys = run()
+        assert torch.equal(got, want) and torch.equal(keys, want_keys)
+    with torch.no_grad():
+        ref, k_ref, _ = block.forward_prefix(x, pos, kv.k, kv.v, k_ext=scratch_k, v_ext=scratch_v,
+                                             ext_mask=mask[:, 6:8], own_mask=mask[:, 8:])
+    assert torch.equal(got, ref) and torch.equal(keys, k_ref)
+
+
+def test_kv_advance_commits_only_rows_a_draft_wrote():
+    from cadence.heads.attn_block import KV, BlockShape
+
+    kv = KV(BlockShape(64, 4, 2, 16, 96, 1e-5, 10000.0), 3, torch.device("cpu"), torch.float32, capacity=2)
+    kv.append(torch.ones(2, 2, 16), torch.ones(2, 2, 16))
+    assert (kv.n, kv.end, kv.k.shape[0]) == (2, 5, 2)
+    with pytest.raises(ValueError):
+        kv.advance(1)  # no room was reserved, so nothing was written there
+    kv.reserve_rows(3)
+    kv.advance(1)
+    assert (kv.n, kv.end) == (3, 6)
+
+
+def test_heads_draft_in_the_backbones_bfloat16_unless_told_otherwise():
+    """``MethodSpec.heads_dtype`` auto: heads on a bf16 backbone draft in bf16 (half the bytes
+    read per draft), float32 elsewhere; the output stays plain decoding's either way."""
+    from types import SimpleNamespace
+
+    from cadence.fast.model import FastBackbone
+    from cadence.heads.io import decode_dtype
+    from cadence.methods import Method, MethodSpec, make_engine
+
+    assert decode_dtype(SimpleNamespace(dtype=torch.bfloat16)) == torch.bfloat16
+    assert decode_dtype(SimpleNamespace(dtype=torch.float32)) == torch.float32
+    assert decode_dtype(SimpleNamespace(dtype=torch.bfloat16), "float32") == torch.float32
+    with pytest.raises(CadenceError, match="heads dtype"):
+        decode_dtype(SimpleNamespace(dtype=torch.float32), "fp8")
+    plain = tiny_backbone("llama", hidden=128)
+    plain.model.to(torch.bfloat16)
+    bb = FastBackbone.from_backbone(plain)
+    cfg = GenerationConfig(max_new_tokens=24)
+    ref = Engine(bb).generate(PROMPTS[0], cfg).tokens
+    for choice, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        spec = MethodSpec(method=Method.EAGLE, heads="random", tree="tree-8", scheduler="static", copy=False,
+                          heads_dtype=choice)
+        engine = make_engine(bb, spec)
+        assert next(engine.drafter.heads.parameters()).dtype == want
+        assert engine.generate(PROMPTS[0], cfg).tokens == ref

@@ -59,6 +59,8 @@ class CalibrateConfig:
         "help": "deepest tree level considered when copying (levels past K are copies only)"})
     context_vocab: int = field(default=256, metadata={
         "help": "calibrate drafting with the context vocabulary (MethodSpec.context_vocab; 0 = without)"})
+    heads_dtype: str = field(default="auto", metadata={
+        "help": "dtype the heads draft in while measured (MethodSpec.heads_dtype; auto: the backbone's bfloat16, else float32)"})
     split: str = field(default="val", metadata={
         "help": "store split measured (val: held out from training; train: when no val shards exist yet)"})
     profiles: bool = field(default=True, metadata={
@@ -287,11 +289,12 @@ def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
     the heads with context copy; see the module docstring."""
     from cadence.backbone import load_backbone
     from cadence.heads import load_heads
+    from cadence.heads.io import decode_dtype
 
     if not cfg.heads:
         raise CadenceError("--heads DIR is required")
     backbone = backbone or load_backbone(cfg.model, cfg.dtype, cfg.device)
-    heads = load_heads(cfg.heads, backbone)
+    heads = load_heads(cfg.heads, backbone, dtype=decode_dtype(backbone, cfg.heads_dtype))
     copy = CopyConfig() if cfg.copy else None
     if cfg.context_vocab < 0:
         raise CadenceError(f"--context-vocab must be >= 0, got {cfg.context_vocab}")

@@ -18,6 +18,7 @@ from cadence.drafter import HeadDrafter
 from cadence.engine import Engine
 from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads
+from cadence.heads.io import decode_dtype
 from cadence.latency import LatencyCurve, load_or_measure
 from cadence.sampling import SamplingParams
 from cadence.schedulers import registry
@@ -54,6 +55,9 @@ class MethodSpec:
     num_heads: int = field(default=3, metadata={"help": "K for --heads random"})
     copy: bool = field(default=True, metadata={"help": "greedy only: rank the context copy (token after the same n-gram earlier) first"})
     copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
+    heads_dtype: str = field(default="auto", metadata={
+        "help": "dtype the heads draft in: auto (bfloat16 on a bfloat16 backbone, else float32), float32, bfloat16; "
+                "drafts only: the output is the same either way"})
     heads_seed: int = field(default=0, metadata={"help": "seed for --heads random"})
     context_vocab: int = field(default=256, metadata={
         "help": "heads with a draft vocabulary may also draft up to N of the request's own tokens "
@@ -82,8 +86,9 @@ def shipped_heads_dir(backbone, kind: str) -> Path | None:
 
 
 def resolve_heads(backbone, spec: MethodSpec):
+    dtype = decode_dtype(backbone, spec.heads_dtype)
     if spec.heads == "random":
-        return new_heads(spec.method.value, backbone, spec.num_heads, random=True, seed=spec.heads_seed)
+        return new_heads(spec.method.value, backbone, spec.num_heads, random=True, seed=spec.heads_seed).to(dtype)
     if spec.heads == "default":
         path = shipped_heads_dir(backbone, spec.method.value)
         if path is None:
@@ -91,7 +96,7 @@ def resolve_heads(backbone, spec: MethodSpec):
                                "pass --heads DIR (trained with `cadence train`) or --heads random")
     else:
         path = Path(spec.heads)
-    heads = load_heads(path, backbone)
+    heads = load_heads(path, backbone, dtype=dtype)
     if heads.cfg.kind != spec.method.value:
         raise CadenceError(f"{path} holds {heads.cfg.kind} heads, but --method is {spec.method.value}")
     return heads

@@ -49,18 +49,38 @@ def _inv_freq(D: int, theta: float, device: torch.device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama's default rotary embedding (rotate-half) of x (..., N, heads, D) at positions
-    pos (..., N). Example: pos 0 leaves x unchanged."""
+_TABLES: dict = {}  # (D, theta, device) -> (cos, sin) float32 (positions, D), grown by doubling
+
+
+def rope_tables(pos: torch.Tensor, D: int, theta: float, top: int | None = None):
+    """cos, sin (..., N, 1, D) float32 of Llama's rotary embedding at positions pos (..., N),
+    looked up in a table (the angle of position p is p * inv_freq in float32, as computed
+    directly). ``top``: the largest position when the caller knows it (saves a reduction)."""
+    key = (D, float(theta), pos.device)
+    need = (top if top is not None else int(pos.max()) if pos.numel() else 0) + 1
+    tab = _TABLES.get(key)
+    if tab is None or tab[0].shape[0] < need:
+        size = max(need, 2 * tab[0].shape[0] if tab is not None else 1024)
+        ang = torch.arange(size, device=pos.device, dtype=torch.float32)[:, None] * _inv_freq(D, theta, pos.device)
+        emb = torch.cat([ang, ang], dim=-1)
+        tab = _TABLES[key] = (emb.cos(), emb.sin())
+    return tab[0][pos][..., None, :], tab[1][pos][..., None, :]
+
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., N, heads, D) rotated (rotate-half) in float32 by cos, sin (..., N, 1, D)."""
     D = x.shape[-1]
-    inv = _inv_freq(D, theta, x.device)
-    ang = pos.to(torch.float32)[..., None] * inv  # (..., N, D/2)
-    emb = torch.cat([ang, ang], dim=-1)[..., None, :]  # (..., N, 1, D)
-    cos, sin = emb.cos(), emb.sin()
     xf = x.float()
     x1, x2 = xf[..., :D // 2], xf[..., D // 2:]
     rot = torch.cat([-x2, x1], dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's default rotary embedding (rotate-half) of x (..., N, heads, D) at positions
+    pos (..., N). Example: pos 0 leaves x unchanged."""
+    cos, sin = rope_tables(pos, x.shape[-1], theta)
+    return rope_apply(x, cos, sin)
 
 
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -233,23 +253,121 @@ class Block(nn.Module):
         return self.finish(x, o.transpose(0, 1), kern), k, v
 
 
-class KV:
-    """Keys and values of one block over consecutive positions ``start .. start+n-1``
-    (a per-request drafter cache; only committed entries are ever kept)."""
+    def draft_forward(self, x: torch.Tensor, pos: torch.Tensor, kv: "KV", at: int,
+                      mask: torch.Tensor | None = None, top: int | None = None) -> torch.Tensor:
+        """Drafting without autograd: P new entries x (P, d) at positions pos (P,) are written to
+        rows [at, at + P) of ``kv``'s buffers (rows below ``at``: its committed entries, then
+        the draft's own) and each attends rows [0, at + P) where mask (P, at + P) bool allows
+        (None: all of them); ``top``: the largest of pos, when known. Returns (P, d). Runs in C++ where the extension is built
+        (``fast/native/draft_block.cpp``: the same ATen calls, same bits), else here.
 
-    def __init__(self, shape: BlockShape, start: int, device, dtype):
+        Example: a cache of 10 committed entries, a draft level of 3 nodes after 2 drafted
+        entries: at = 12, the nodes' keys go to rows 12..14 and the mask is (3, 15)."""
+        P, s = x.shape[0], self.shape
+        kv.reserve_rows(at + P)
+        cos, sin = rope_tables(pos, s.head_dim, s.rope_theta, top)
+        kern = self.decode_kernels()
+        block = _native_block(self, kern)
+        if block is not None:
+            return block.forward(x, cos, sin, kv.kbuf, kv.vbuf, at, mask)
+        y = self.input_layernorm(x) if self.input_layernorm is not None else x
+        a = self.self_attn
+        if kern is not None:
+            q, k, v = kern["qkv"](y.contiguous()).split(
+                [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+        else:
+            q, k, v = a.q_proj(y), a.k_proj(y), a.v_proj(y)
+        q = rope_apply(q.reshape(P, s.heads, s.head_dim), cos, sin)
+        kv.kbuf[at:at + P] = rope_apply(k.reshape(P, s.kv_heads, s.head_dim), cos, sin)
+        kv.vbuf[at:at + P] = v.reshape(P, s.kv_heads, s.head_dim)
+        K = kv.kbuf[:at + P].transpose(0, 1)[None]  # (1, G, N, D)
+        V = kv.vbuf[:at + P].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K, V,
+                                           attn_mask=None if mask is None else mask[None, None],
+                                           enable_gqa=s.heads != s.kv_heads)[0]  # (H, P, D)
+        return self.finish(x, o.transpose(0, 1), kern)
+
+
+_NATIVE: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _native_block(block: Block, kern: dict | None):
+    """The C++ twin of ``block`` for ``draft_forward`` (``fast.native``'s ``DraftBlock``), made
+    once per set of packed kernels; None without the extension or on CUDA (``kern`` None)."""
+    if kern is None or any(lin.kind == "aten" for lin in kern.values()):
+        return None
+    hit = _NATIVE.get(block)
+    if hit is not None and hit[0] is kern:
+        return hit[1]
+    from cadence.fast import native
+    from cadence.fast.kernels import INT4_GROUP
+
+    mod = native.module()
+    made = None
+    if mod is not None:
+        s = block.shape
+        ln1 = block.input_layernorm.weight.detach() if block.input_layernorm is not None else None
+        made = mod.DraftBlock(s.heads, s.kv_heads, s.head_dim, float(s.eps), ln1,
+                              block.post_attention_layernorm.weight.detach())
+        lins = [kern["qkv"], kern["o"], kern["gate_up"], kern["down"]]
+        ints = []
+        for lin in lins:
+            ints += [native.KIND[lin.kind], lin.in_features, lin.out_features, lin.min_rows, 0, INT4_GROUP]
+        made.set_linears([lin.w for lin in lins], [lin.scale for lin in lins], ints)
+    _NATIVE[block] = (kern, made)
+    return made
+
+class KV:
+    """Keys and values of one block over consecutive positions ``start .. start+n-1`` (a
+    per-request drafter cache of committed entries), in buffers with room to spare: rows
+    [n, capacity) are scratch a draft writes its own entries to (``Block.draft_forward``)
+    and the next ``append`` / ``advance`` overwrites. Capacity doubles when needed."""
+
+    def __init__(self, shape: BlockShape, start: int, device, dtype, capacity: int = 256):
         self.start = start
-        self.k = torch.zeros(0, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
-        self.v = self.k.clone()
+        self.n = 0  # committed entries
+        self.kbuf = torch.zeros(capacity, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
+        self.vbuf = torch.zeros_like(self.kbuf)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """(n, G, D) committed keys (a view)."""
+        return self.kbuf[:self.n]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.vbuf[:self.n]
 
     @property
     def end(self) -> int:
         """The next position (one past the last entry)."""
-        return self.start + self.k.shape[0]
+        return self.start + self.n
+
+    def reserve_rows(self, rows: int) -> None:
+        """Room for ``rows`` rows in all (scratch rows included: they are kept when it grows)."""
+        cap = self.kbuf.shape[0]
+        if rows <= cap:
+            return
+        while cap < rows:
+            cap *= 2
+        for name in ("kbuf", "vbuf"):
+            old = getattr(self, name)
+            new = old.new_zeros((cap,) + tuple(old.shape[1:]))
+            new[:old.shape[0]] = old
+            setattr(self, name, new)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = torch.cat([self.k, k])
-        self.v = torch.cat([self.v, v])
+        m = k.shape[0]
+        self.reserve_rows(self.n + m)
+        self.kbuf[self.n:self.n + m] = k
+        self.vbuf[self.n:self.n + m] = v
+        self.n += m
+
+    def advance(self, m: int) -> None:
+        """Commit the m entries a ``draft_forward`` at row ``n`` wrote."""
+        if self.n + m > self.kbuf.shape[0]:
+            raise ValueError(f"advance by {m}: only {self.kbuf.shape[0] - self.n} rows written past {self.n}")
+        self.n += m
 
 
 def segment_causal(seg: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,8 @@ class _Tree:
     cache: KV
     t: int  # position of the root's parent state h_t (root entry's position)
     root: torch.Tensor  # (d,) f of the root entry
-    k: torch.Tensor | None = None  # (M, G, D) entries of drafted nodes (depth >= 1)
-    v: torch.Tensor | None = None
-    anc: dict = field(default_factory=dict)  # node -> entry indices of its drafted ancestors and itself
+    m: int = 0  # entries of drafted nodes (depth >= 1), in the cache's scratch rows [n, n + m)
+    anc: dict = field(default_factory=dict)  # node -> scratch indices of its drafted ancestors and itself
 
 
 class EagleCache:
@@ -130,10 +129,13 @@ class EagleHeads(DraftHeads):
                                f"states, but the root's parent is at {t}")
         if m:
             dev = pending.device
+            kv = cache.kv
             toks = torch.tensor(seq[cache.end + 1:t + 2], device=dev)
             pos = torch.arange(cache.end, t + 1, device=dev)
-            out, k, v = self.layer.forward_prefix(self._input(toks, pending), pos, cache.kv.k, cache.kv.v)
-            cache.kv.append(k, v)
+            # entry i sees the committed entries and the new ones up to itself
+            mask = None if m == 1 else torch.ones(m, kv.n + m, dtype=torch.bool, device=dev).tril(kv.n)
+            out = self.layer.draft_forward(self._input(toks, pending), pos, kv, kv.n, mask, top=t)
+            kv.advance(m)
             cache.last = out[-1]
         if cache.last is None:
             raise CadenceError("eagle drafter state is empty: commit the prompt's states first")
@@ -145,17 +147,18 @@ class EagleHeads(DraftHeads):
         features (P, d), from which their children at depth k are drafted."""
         if k == 1:  # the root: its entry is already in the cache
             return ctx.root[None].expand(len(nodes), -1)
-        dev = tokens.device
-        M = 0 if ctx.k is None else ctx.k.shape[0]
-        ext = torch.zeros(len(nodes), M, dtype=torch.bool, device=dev)
+        dev, kv, M, P = tokens.device, ctx.cache, ctx.m, len(nodes)
+        # scratch entries a node sees: its drafted ancestors' (by index) and its own (M + i)
+        own = [[False] * (M + P) for _ in range(P)]
         for i, p in enumerate(parents):
-            ext[i, ctx.anc.get(p, [])] = True
-        pos = torch.full((len(nodes),), ctx.t + k - 1, device=dev)
-        out, kk, vv = self.layer.forward_prefix(self._input(tokens, prev), pos, ctx.cache.k, ctx.cache.v,
-                                                k_ext=ctx.k, v_ext=ctx.v, ext_mask=ext,
-                                                own_mask=torch.eye(len(nodes), dtype=torch.bool, device=dev))
-        ctx.k = kk if ctx.k is None else torch.cat([ctx.k, kk])
-        ctx.v = vv if ctx.v is None else torch.cat([ctx.v, vv])
+            for j in ctx.anc.get(p, []):
+                own[i][j] = True
+            own[i][M + i] = True
+        mask = torch.ones(P, kv.n + M + P, dtype=torch.bool, device=dev)
+        mask[:, kv.n:] = torch.tensor(own, dtype=torch.bool, device=dev)
+        pos = torch.full((P,), ctx.t + k - 1, device=dev)
+        out = self.layer.draft_forward(self._input(tokens, prev), pos, kv, kv.n + M, mask, top=ctx.t + k - 1)
+        ctx.m += P
         for i, (node, p) in enumerate(zip(nodes, parents)):
             ctx.anc[node] = ctx.anc.get(p, []) + [M + i]
         return out

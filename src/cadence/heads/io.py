@@ -75,6 +75,21 @@ def save_heads(heads: DraftHeads, directory: str | Path, dtype: torch.dtype | No
     return directory
 
 
+HEADS_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def decode_dtype(backbone, choice: str = "auto") -> torch.dtype:
+    """The dtype heads draft in. ``auto``: bfloat16 when the backbone computes in bfloat16
+    (the heads' weights are then read at half the bytes: drafting is bound by reading them),
+    else float32. Drafts only propose tokens, so this never changes the output, only what
+    is proposed; ``cadence calibrate`` measures acceptance in the same dtype."""
+    if choice not in HEADS_DTYPES:
+        raise CadenceError(f"unknown heads dtype {choice!r}; choose one of {', '.join(HEADS_DTYPES)}")
+    if choice == "auto":
+        return torch.bfloat16 if getattr(backbone, "dtype", torch.float32) == torch.bfloat16 else torch.float32
+    return getattr(torch, choice)
+
+
 def load_heads(directory: str | Path, backbone, dtype: torch.dtype | None = None) -> DraftHeads:
     """Load heads saved by ``save_heads`` and bind them to ``backbone`` (checked to match)."""
     directory = Path(directory)

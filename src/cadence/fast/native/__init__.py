@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "fused.cpp", "fused.h", "attention.cpp", "attention.h")]
+_SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "linear.h", "fused.cpp", "fused.h", "attention.cpp", "attention.h",
+                                                    "draft_block.cpp", "draft_block.h")]
 _CFLAGS = ["-O3", "-ffp-contract=off", "-march=native", "-fopenmp"]  # no fused multiply-adds: vector and scalar code agree
 _LDFLAGS = ["-fopenmp"]
 _state: dict = {}  # "module": the loaded extension, or "error": why there is none
@@ -101,7 +102,7 @@ def _cpu_identity() -> str:
     return model + " " + " ".join(sorted(cpu_flags()))
 
 
-_KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3}
+KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3}
 
 
 def build_layers(mod, bb):
@@ -117,7 +118,7 @@ def build_layers(mod, bb):
         lins = [layer.qkv, layer.o, layer.gate_up, layer.down]
         ints = []
         for lin in lins:
-            ints += [_KIND[lin.kind], lin.in_features, lin.out_features, lin.min_rows,
+            ints += [KIND[lin.kind], lin.in_features, lin.out_features, lin.min_rows,
                      MAX_ROWS if id(lin) in blockable else 0, INT4_GROUP]
         out.add_layer(layer.ln1, layer.ln2, layer.q_norm, layer.k_norm, [lin.w for lin in lins],
                       [lin.scale for lin in lins], [lin.bias for lin in lins], ints)

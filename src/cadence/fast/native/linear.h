@@ -1,0 +1,82 @@
+// ``kernels.Linear`` in C++: the projections' kinds (aten, oneDNN, int8, int4) with its row
+// padding and blocking, for the C++ loops (``layers.cpp``, ``draft_block.cpp``). Same calls,
+// same arguments as the Python class: same bits.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cadence {
+
+enum Kind : int64_t { ATEN = 0, ONEDNN = 1, INT8 = 2, INT4 = 3 };
+
+inline const c10::OperatorHandle& onednn_linear() {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  return op;
+}
+
+inline at::Tensor onednn_call(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  // boxed: the op's unboxed signature is private to ATen; a boxed call costs about 1 us
+  std::vector<c10::IValue> stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  onednn_linear().callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+struct Lin {
+  int64_t kind = ATEN;
+  at::Tensor w, scale;
+  std::optional<at::Tensor> bias;
+  int64_t in = 0, out = 0, min_rows = 1, max_rows = 0, group = 32;
+
+  // x2: (m, in) contiguous -> (m, out); padded to min_rows rows (``Linear._rows``)
+  at::Tensor rows(at::Tensor x2) const {
+    const int64_t m = x2.size(0);
+    if (m < min_rows) {
+      x2 = at::cat({x2, x2.narrow(0, m - 1, 1).expand({min_rows - m, -1})});
+    }
+    at::Tensor y;
+    if (kind == INT8 || kind == INT4) {
+      y = kind == INT8 ? at::_weight_int8pack_mm(x2.contiguous(), w, scale)
+                       : at::_weight_int4pack_mm_for_cpu(x2.contiguous(), w, group, scale);
+      if (bias) y = y + *bias;
+    } else {
+      y = onednn_call(x2.contiguous(), w, bias);
+    }
+    return y.narrow(0, 0, m);
+  }
+
+  // ``Linear.__call__``; ``blocked``: honour max_rows (``FastBackbone._block_rows``)
+  at::Tensor operator()(const at::Tensor& x, bool blocked) const {
+    if (kind == ATEN) return at::linear(x, w, bias);
+    const int64_t cap = blocked ? max_rows : 0;
+    const int64_t n = x.numel() / in;
+    if (kind == ONEDNN && min_rows <= n && x.is_contiguous() && (!cap || n <= cap)) {
+      return onednn_call(x, w, bias);
+    }
+    auto lead = x.sizes().vec();
+    lead.back() = out;
+    at::Tensor x2 = x.reshape({-1, in});
+    if (!cap || n <= cap) return rows(x2).view(lead);
+    at::Tensor y = x2.new_empty({n, out});
+    for (int64_t i = 0; i < n; i += cap) {
+      const int64_t len = std::min(cap, n - i);
+      y.narrow(0, i, len).copy_(rows(x2.narrow(0, i, len)));
+    }
+    return y.view(lead);
+  }
+};
+
+}  // namespace cadence
