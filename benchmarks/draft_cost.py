@@ -4,7 +4,13 @@ Generates greedily with each method on a few held-out-style prompts (not the ben
 the categories' prompts) and times, per step, the drafter's calls (``draft``, shadow drafts,
 ``commit``: heads, context copy, attention heads' cache updates), the backbone's verify forward
 (``scorer.score`` as the engine calls it), and everything else (acceptance, cache compaction, scheduling).
-Methods are interleaved per prompt after a warm-up generation each.
+Methods are interleaved per prompt after a warm-up generation each, and each method's output
+is compared with plain decoding's (``identical``).
+
+A method may carry variant flags after a colon (session 15): ``:fp32`` drafts with float32
+heads on a bf16 backbone (``MethodSpec.heads_dtype``; the default, auto, drafts in bf16 there),
+``:py`` runs the attention heads' drafter block in Python instead of C++
+(``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy:fp32:py``.
 
 Usage:  python benchmarks/draft_cost.py [--methods hydra eagle mtp-attn] [--max-new-tokens 128]
 """
@@ -20,6 +26,7 @@ import torch
 
 import cadence.engine as engine_mod
 from cadence.backbone import load_backbone
+from cadence.heads import attn_block
 from cadence.engine import GenerationConfig
 from cadence.machine import machine_info, machine_line
 from cadence.methods import Method, MethodSpec, make_engine
@@ -50,19 +57,40 @@ class _Timer:
             self.calls += 1
 
 
+def spec_of(name: str) -> tuple[MethodSpec, bool]:
+    """'eagle/nocopy:fp32:py' -> (its MethodSpec, whether the drafter block runs in Python)."""
+    base, *flags = name.split(":")
+    bad = set(flags) - {"fp32", "py"}
+    if bad:
+        raise SystemExit(f"unknown variant flag(s) {sorted(bad)} in {name!r}: use :fp32 and/or :py")
+    spec = MethodSpec(method=Method(base.split("/")[0]), copy="/nocopy" not in base,
+                      heads_dtype="float32" if "fp32" in flags else "auto")
+    return spec, "py" in flags
+
+
 def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
-    engines = {m: make_engine(bb, MethodSpec(method=Method(m.split("/")[0]), copy="/nocopy" not in m))
-               for m in methods}
+    specs = {m: spec_of(m) for m in methods}
+    engines = {m: make_engine(bb, spec) for m, (spec, _) in specs.items()}
+    native_block = attn_block._native_block
     cfg = GenerationConfig(max_new_tokens=max_new)
     prompts = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
-    for eng in engines.values():  # warm-up
+    refs = [engine_mod.Engine(bb).generate(ids, cfg).tokens for ids in prompts]
+
+    def python_block(m: str) -> None:
+        attn_block._native_block = (lambda *a: None) if specs[m][1] else native_block
+
+    for m, eng in engines.items():  # warm-up
+        python_block(m)
         eng.generate(prompts[0], cfg)
     real_score = engine_mod.score
-    totals = {m: {"draft_s": 0.0, "verify_s": 0.0, "total_s": 0.0, "steps": 0, "tokens": 0} for m in methods}
+    totals = {m: {"draft_s": 0.0, "verify_s": 0.0, "total_s": 0.0, "steps": 0, "tokens": 0, "identical": 0,
+                  "runs": 0} for m in methods}
     try:
-        for _ in range(repeats):
-            for ids in prompts:
-                for m, eng in engines.items():
+        for r in range(repeats):
+            for i, ids in enumerate(prompts):
+                order = list(engines.items())
+                for m, eng in (order if (r * len(prompts) + i) % 2 == 0 else order[::-1]):
+                    python_block(m)
                     timers = {}
                     if eng.drafter is not None:  # drafts, shadow drafts and drafter-state commits
                         for name in DRAFTER_CALLS:
@@ -81,8 +109,11 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                     tot["verify_s"] += verify.seconds
                     tot["steps"] += verify.calls
                     tot["tokens"] += len(out.tokens)
+                    tot["identical"] += out.tokens == refs[i]
+                    tot["runs"] += 1
     finally:
         engine_mod.score = real_score
+        attn_block._native_block = native_block
     rows = {}
     for m, t in totals.items():
         steps = max(t["steps"], 1)
@@ -90,7 +121,7 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                    "draft_ms_per_step": round(1e3 * t["draft_s"] / steps, 3),
                    "verify_ms_per_step": round(1e3 * t["verify_s"] / steps, 3),
                    "other_ms_per_step": round(1e3 * (t["total_s"] - t["draft_s"] - t["verify_s"]) / steps, 3),
-                   "steps": t["steps"], "tokens": t["tokens"]}
+                   "steps": t["steps"], "tokens": t["tokens"], "identical": f"{t['identical']}/{t['runs']}"}
     return rows
 
 
@@ -99,7 +130,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--methods", nargs="+", default=["vanilla", "hydra", "eagle", "mtp-attn"],
-                    help="vanilla | medusa | hydra | mtp | eagle | mtp-attn, optionally with /nocopy")
+                    help="vanilla | medusa | hydra | mtp | eagle | mtp-attn, optionally with /nocopy, "
+                         "then variant flags :fp32 (float32 heads) and :py (drafter block in Python)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="", help="write the rows as JSON here")
@@ -108,11 +140,11 @@ def main() -> None:
     rows = measure(bb, args.methods, args.max_new_tokens, args.repeats)
     info = machine_info()
     print(f"Machine: {machine_line(info)}; backbone {bb.dtype}\n")
-    print("| method | tok/s | tokens/step | draft ms/step | verify ms/step | other ms/step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| method | tok/s | tokens/step | draft ms/step | verify ms/step | other ms/step | identical |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for m, r in rows.items():
         print(f"| {m} | {r['tok_s']} | {r['tokens_per_step']} | {r['draft_ms_per_step']} | "
-              f"{r['verify_ms_per_step']} | {r['other_ms_per_step']} |")
+              f"{r['verify_ms_per_step']} | {r['other_ms_per_step']} | {r['identical']} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"machine": info, "dtype": str(bb.dtype), "rows": rows,
