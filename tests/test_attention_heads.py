@@ -395,25 +395,39 @@ def test_narrow_mlp_keeps_the_strongest_units_and_round_trips(backbones, kind, t
         narrow_mlp(blocks[0], 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_drafting_kernels_match_the_modules_and_follow_weight_changes(dtype):
-    """forward_prefix without autograd runs fused, prepacked projections (``attn_block.packed``):
-    same outputs as the modules within rounding, and rebuilt after an in-place weight update
-    (a stale packed copy would keep drafting with the old weights)."""
-    from cadence.heads.attn_block import Block, BlockShape, packed
+def _block_and_cache(dtype, input_norm=True, seed=0):
+    """A random block, 6 committed entries of a sequence (x (9, 64) at positions 0..8) and the
+    whole-row training view's outputs and keys/values for all 9 (causal)."""
+    from cadence.heads.attn_block import KV, Block, BlockShape
 
-    torch.manual_seed(0)
-    block = Block(BlockShape(64, 4, 2, 16, 96, 1e-5, 10000.0)).to(dtype)
+    torch.manual_seed(seed)
+    shape = BlockShape(64, 4, 2, 16, 96, 1e-5, 10000.0)
+    block = Block(shape, input_norm=input_norm).to(dtype)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    x, pos = torch.randn(3, 64).to(dtype), torch.arange(5, 8)
-    k_pre, v_pre = torch.randn(5, 2, 16).to(dtype), torch.randn(5, 2, 16).to(dtype)
+    x = torch.randn(1, 9, 64).to(dtype)
+    with torch.no_grad():
+        out, k, v = block.forward_masked(x, torch.arange(9)[None], torch.ones(1, 9, 9, dtype=torch.bool).tril())
+    kv = KV(shape, 0, torch.device("cpu"), dtype, capacity=4)
+    kv.append(k[0, :6], v[0, :6])
+    return block, kv, x[0], out[0], k[0], v[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafting_kernels_match_the_modules_and_follow_weight_changes(dtype):
+    """draft_forward without autograd runs fused, prepacked projections (``attn_block.packed``):
+    same outputs as the modules within rounding, and rebuilt after an in-place weight update
+    (a stale packed copy would keep drafting with the old weights)."""
+    from cadence.heads.attn_block import packed
+
+    block, kv, x, _, _, _ = _block_and_cache(dtype)
+    pos, mask = torch.arange(6, 9), torch.ones(3, 9, dtype=torch.bool).tril(6)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
     for _ in range(2):
         with torch.enable_grad():
-            want = block.forward_prefix(x, pos, k_pre, v_pre)[0].detach()
+            want = block.draft_forward(x[6:], pos, kv, 6, mask).detach()
         with torch.no_grad():
-            got = block.forward_prefix(x, pos, k_pre, v_pre)[0]
+            got = block.draft_forward(x[6:], pos, kv, 6, mask)
         torch.testing.assert_close(got.float(), want.float(), **tol)
         with torch.no_grad():  # what an optimizer step does: the packed copy must not survive it
             block.mlp.down_proj.weight.mul_(-3.0)
@@ -424,43 +438,35 @@ def test_drafting_kernels_match_the_modules_and_follow_weight_changes(dtype):
 
 @pytest.mark.parametrize("input_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_draft_forward_in_cpp_gives_the_python_bits_and_forward_prefix_outputs(dtype, input_norm, monkeypatch):
-    """``Block.draft_forward`` (entries written into the cache's scratch rows, one SDPA call
-    over the buffer) runs in C++ where the extension is built: the same bits as its Python
-    form, and the same outputs as ``forward_prefix`` given the same keys and mask."""
+def test_draft_forward_matches_the_training_view_and_its_cpp_twin_the_python_bits(dtype, input_norm, monkeypatch):
+    """``Block.draft_forward`` (new entries written into the cache's scratch rows, one SDPA
+    call over the buffer) gives the whole-row training view's outputs and keys for the last
+    entries of a sequence, also after the buffer grew under scratch rows, and its C++ form
+    (``fast/native/draft_block.cpp``, where built) the Python form's bits."""
     from cadence.fast import native
     from cadence.heads import attn_block
-    from cadence.heads.attn_block import KV, Block, BlockShape
 
-    torch.manual_seed(1)
-    shape = BlockShape(64, 4, 2, 16, 96, 1e-5, 10000.0)
-    block = Block(shape, input_norm=input_norm).to(dtype)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    kv = KV(shape, 0, torch.device("cpu"), dtype, capacity=4)
-    kv.append(torch.randn(6, 2, 16).to(dtype), torch.randn(6, 2, 16).to(dtype))
-    scratch_k, scratch_v = torch.randn(2, 2, 16).to(dtype), torch.randn(2, 2, 16).to(dtype)
-    x, pos = torch.randn(3, 64).to(dtype), torch.tensor([7, 7, 7])
-    mask = torch.ones(3, 11, dtype=torch.bool)
-    mask[:, 6:] = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 1, 0, 0, 1]], dtype=torch.bool)
+    block, kv, x, out, k, v = _block_and_cache(dtype, input_norm, seed=1)
+    tol = dict(rtol=3e-2, atol=3e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
 
-    def run():
+    def level():  # entries 6, 7 drafted before as scratch; entry 8 sees all, as in a chain
         kv.reserve_rows(8)
-        kv.kbuf[6:8], kv.vbuf[6:8] = scratch_k, scratch_v  # two drafted entries before this level
+        kv.kbuf[6:8], kv.vbuf[6:8] = k[6:8], v[6:8]
         with torch.no_grad():
-            return block.draft_forward(x, pos, kv, 8, mask), kv.kbuf[8:11].clone()
+            return block.draft_forward(x[8:], torch.tensor([8]), kv, 8, None), kv.kbuf[8:9].clone()
 
-    got, keys = run()  # capacity 4 -> 16: the scratch rows survive the growth
-    assert kv.kbuf.shape[0] >= 11 and kv.n == 6
+    got, keys = level()  # capacity 4 -> 16: the scratch rows survive the growth
+    assert kv.kbuf.shape[0] >= 9 and kv.n == 6
+    torch.testing.assert_close(got.float(), out[8:].float(), **tol)
+    torch.testing.assert_close(keys.float(), k[8:].float(), **tol)
     if native.module() is not None:
         assert attn_block._native_block(block, block.decode_kernels()) is not None
         monkeypatch.setattr(attn_block, "_native_block", lambda *a: None)
-        want, want_keys = run()
+        want, want_keys = level()
         assert torch.equal(got, want) and torch.equal(keys, want_keys)
-    with torch.no_grad():
-        ref, k_ref, _ = block.forward_prefix(x, pos, kv.k, kv.v, k_ext=scratch_k, v_ext=scratch_v,
-                                             ext_mask=mask[:, 6:8], own_mask=mask[:, 8:])
-    assert torch.equal(got, ref) and torch.equal(keys, k_ref)
+    with torch.no_grad():  # three committed entries at once, causal among themselves
+        chain = block.draft_forward(x[6:], torch.arange(6, 9), kv, 6, torch.ones(3, 9, dtype=torch.bool).tril(6))
+    torch.testing.assert_close(chain.float(), out[6:].float(), **tol)
 
 
 def test_kv_advance_commits_only_rows_a_draft_wrote():

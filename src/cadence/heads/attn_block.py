@@ -5,12 +5,13 @@ laid out with the parameter names of transformers' ``LlamaDecoderLayer`` (``self
 q_proj`` ..., ``mlp.gate_proj`` ..., ``input_layernorm``, ``post_attention_layernorm``) so
 that the weights load unchanged into a Llama layer (see ``cadence.export``); the three
 ways the heads attend: over a whole packed row (training, causal within a segment, any
-extra mask), over a shared prefix of cached entries plus some extra entries (drafting a
-tree level), and EAGLE's training-time test (a causal prefix plus a few per-position
-"diagonal" keys). Does not know: what the entries mean (``eagle`` and ``mtp_attn`` do).
+extra mask), over a drafter cache's rows (``KV``: committed entries, then a draft's own in
+scratch rows; drafting a tree level, in C++ where the extension is built), and EAGLE's
+training-time test (a causal prefix plus a few per-position "diagonal" keys). Does not know:
+what the entries mean (``eagle`` and ``mtp_attn`` do).
 
 Shapes: H query heads, G key/value heads (H % G == 0), D = head_dim; keys and values are
-kept as (N, G, D) per sequence (drafting) or (B, T, G, D) (training), after RoPE.
+kept as (N, G, D) per sequence (drafting, ``KV``) or (B, T, G, D) (training), after RoPE.
 """
 
 from __future__ import annotations
@@ -219,54 +220,21 @@ class Block(nn.Module):
         return self.finish(x, o.transpose(1, 2).to(x.dtype)), k, v
 
     # ------------------------------------------------------------------ drafting view
-    def forward_prefix(self, x: torch.Tensor, pos: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor,
-                       pre_mask: torch.Tensor | None = None, k_ext: torch.Tensor | None = None,
-                       v_ext: torch.Tensor | None = None, ext_mask: torch.Tensor | None = None,
-                       own_mask: torch.Tensor | None = None):
-        """P new entries x (P, d) at positions pos (P,) over cached entries k_pre/v_pre (n, G, D).
-
-        New entry p sees cached entry i where pre_mask (P, n) allows (default: all), the
-        extra entries k_ext/v_ext (M, G, D) where ext_mask (P, M) allows, and new entry q
-        where own_mask (P, P) allows (default: q <= p, a causal chain; it must allow p itself).
-        Returns (out (P, d), k, v (P, G, D) of the new entries). Without autograd the
-        projections run through ``decode_kernels``."""
-        kern = None if torch.is_grad_enabled() else self.decode_kernels()
-        q, k, v = self.qkv(x, pos, kern)
-        P, dev = x.shape[0], x.device
-        if own_mask is None:
-            own_mask = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        if pre_mask is None:
-            pre_mask = torch.ones(P, k_pre.shape[0], dtype=torch.bool, device=dev)
-        ks, vs, masks = [k_pre], [v_pre], [pre_mask]
-        if k_ext is not None and k_ext.shape[0]:
-            ks.append(k_ext)
-            vs.append(v_ext)
-            masks.append(ext_mask)
-        ks.append(k)
-        vs.append(v)
-        masks.append(own_mask)
-        K = torch.cat(ks).transpose(0, 1)  # (G, N, D): grouped heads share them (no repeat)
-        V = torch.cat(vs).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None],
-                                           attn_mask=torch.cat(masks, 1)[None, None],
-                                           enable_gqa=self.shape.heads != self.shape.kv_heads)[0]  # (H, P, D)
-        return self.finish(x, o.transpose(0, 1), kern), k, v
-
-
     def draft_forward(self, x: torch.Tensor, pos: torch.Tensor, kv: "KV", at: int,
                       mask: torch.Tensor | None = None, top: int | None = None) -> torch.Tensor:
-        """Drafting without autograd: P new entries x (P, d) at positions pos (P,) are written to
+        """Drafting: P new entries x (P, d) at positions pos (P,) are written to
         rows [at, at + P) of ``kv``'s buffers (rows below ``at``: its committed entries, then
         the draft's own) and each attends rows [0, at + P) where mask (P, at + P) bool allows
-        (None: all of them); ``top``: the largest of pos, when known. Returns (P, d). Runs in C++ where the extension is built
-        (``fast/native/draft_block.cpp``: the same ATen calls, same bits), else here.
+        (None: all of them); ``top``: the largest of pos, when known. Returns (P, d). Without
+        autograd the projections run through ``decode_kernels``, and the block in C++ where
+        the extension is built (``fast/native/draft_block.cpp``: the same ATen calls, same bits).
 
         Example: a cache of 10 committed entries, a draft level of 3 nodes after 2 drafted
         entries: at = 12, the nodes' keys go to rows 12..14 and the mask is (3, 15)."""
         P, s = x.shape[0], self.shape
         kv.reserve_rows(at + P)
         cos, sin = rope_tables(pos, s.head_dim, s.rope_theta, top)
-        kern = self.decode_kernels()
+        kern = None if torch.is_grad_enabled() else self.decode_kernels()  # with autograd: the modules
         block = _native_block(self, kern)
         if block is not None:
             return block.forward(x, cos, sin, kv.kbuf, kv.vbuf, at, mask)

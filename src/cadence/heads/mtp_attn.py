@@ -127,11 +127,9 @@ class MTPAttnHeads(DraftHeads):
                 toks = torch.tensor(seq[lo + k:hi + k + 1], device=dev)
                 pos = torch.arange(lo, hi + 1, device=dev)
                 cached = torch.arange(kv.start, lo, device=dev)
-                pre = cached[None, :] <= pos[:, None] + 1 - k
-                own = delayed_mask(hi + 1 - lo, k, dev)
-                out, kk, vv = mod.block.forward_prefix(mod.merge(g_in, self.embed(toks)), pos, kv.k, kv.v,
-                                                       pre_mask=pre, own_mask=own)
-                kv.append(kk, vv)
+                mask = torch.cat([cached[None, :] <= pos[:, None] + 1 - k, delayed_mask(hi + 1 - lo, k, dev)], dim=1)
+                out = mod.block.draft_forward(mod.merge(g_in, self.embed(toks)), pos, kv, kv.n, mask, top=hi)
+                kv.advance(hi + 1 - lo)
                 cache.g[k - 1] = torch.cat([cache.g[k - 1], out])
             prev_g, prev_start = cache.g[k - 1], kv.start
         if cache.kv[0].end != t + 1:
@@ -146,10 +144,12 @@ class MTPAttnHeads(DraftHeads):
             return tree.root[None].expand(len(nodes), -1)
         mod, kv = self.modules_[k - 1], cache.kv[k - 1]
         dev = tokens.device
-        pos = torch.full((len(nodes),), tree.t, device=dev)
-        out, _, _ = mod.block.forward_prefix(mod.merge(prev, self.embed(tokens)), pos, kv.k, kv.v,
-                                             own_mask=torch.eye(len(nodes), dtype=torch.bool, device=dev))
-        return out
+        P = len(nodes)
+        pos = torch.full((P,), tree.t, device=dev)
+        # the committed entries, then its own (siblings never see each other): written to scratch rows
+        mask = torch.cat([torch.ones(P, kv.n, dtype=torch.bool, device=dev),
+                          torch.eye(P, dtype=torch.bool, device=dev)], dim=1)
+        return mod.block.draft_forward(mod.merge(prev, self.embed(tokens)), pos, kv, kv.n, mask, top=tree.t)
 
     def tree_logits_features(self, k: int, state: torch.Tensor) -> torch.Tensor:
         """Features for the LM head from a node's state g_k."""
