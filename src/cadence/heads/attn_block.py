@@ -268,7 +268,6 @@ def _native_block(block: Block, kern: dict | None):
     if hit is not None and hit[0] is kern:
         return hit[1]
     from cadence.fast import native
-    from cadence.fast.kernels import INT4_GROUP
 
     mod = native.module()
     made = None
@@ -278,10 +277,8 @@ def _native_block(block: Block, kern: dict | None):
         made = mod.DraftBlock(s.heads, s.kv_heads, s.head_dim, float(s.eps), ln1,
                               block.post_attention_layernorm.weight.detach())
         lins = [kern["qkv"], kern["o"], kern["gate_up"], kern["down"]]
-        ints = []
-        for lin in lins:
-            ints += [native.KIND[lin.kind], lin.in_features, lin.out_features, lin.min_rows, 0, INT4_GROUP]
-        made.set_linears([lin.w for lin in lins], [lin.scale for lin in lins], ints)
+        made.set_linears([lin.w for lin in lins], [lin.scale for lin in lins], [lin.bias for lin in lins],
+                         [i for lin in lins for i in native.linear_ints(lin)])
     _NATIVE[block] = (kern, made)
     return made
 

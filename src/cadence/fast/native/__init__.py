@@ -105,10 +105,17 @@ def _cpu_identity() -> str:
 KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3}
 
 
+def linear_ints(lin, max_rows: int = 0) -> list[int]:
+    """A ``kernels.Linear``'s fields as the C++ ``Lin`` takes them (``linear.h``: kind, in,
+    out, min_rows, max_rows, group)."""
+    from cadence.fast.kernels import INT4_GROUP
+
+    return [KIND[lin.kind], lin.in_features, lin.out_features, lin.min_rows, max_rows, INT4_GROUP]
+
+
 def build_layers(mod, bb):
     """A ``Layers`` object holding ``bb``'s weights (references, no copies)."""
     from cadence.fast.consistent import MAX_ROWS
-    from cadence.fast.kernels import INT4_GROUP
 
     s = bb.spec
     blockable = {id(lin) for lin in bb._blockable}  # blocks of MAX_ROWS rows in steady forwards
@@ -116,10 +123,7 @@ def build_layers(mod, bb):
                      bb.final_norm)
     for layer in bb._layers:
         lins = [layer.qkv, layer.o, layer.gate_up, layer.down]
-        ints = []
-        for lin in lins:
-            ints += [KIND[lin.kind], lin.in_features, lin.out_features, lin.min_rows,
-                     MAX_ROWS if id(lin) in blockable else 0, INT4_GROUP]
+        ints = [i for lin in lins for i in linear_ints(lin, MAX_ROWS if id(lin) in blockable else 0)]
         out.add_layer(layer.ln1, layer.ln2, layer.q_norm, layer.k_norm, [lin.w for lin in lins],
                       [lin.scale for lin in lins], [lin.bias for lin in lins], ints)
     return out

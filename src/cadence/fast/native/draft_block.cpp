@@ -32,16 +32,9 @@ DraftBlock::DraftBlock(int64_t heads, int64_t kv_heads, int64_t head_dim, double
     : heads_(heads), kv_(kv_heads), hd_(head_dim), eps_(eps), ln1_(std::move(ln1)), ln2_(std::move(ln2)) {}
 
 void DraftBlock::set_linears(std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> scales,
-                             std::vector<int64_t> ints) {
-  TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && ints.size() == 24, "set_linears: 4 projections");
+                             std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> ints) {
   Lin* lins[4] = {&qkv_, &o_, &gate_up_, &down_};
-  for (int j = 0; j < 4; ++j) {
-    Lin& l = *lins[j];
-    l.w = weights[j];
-    if (scales[j]) l.scale = *scales[j];
-    const int64_t* v = ints.data() + 6 * j;
-    l.kind = v[0], l.in = v[1], l.out = v[2], l.min_rows = v[3], l.max_rows = v[4], l.group = v[5];
-  }
+  cadence::set_linears(lins, 4, weights, scales, biases, ints);
 }
 
 // ``mtp.RMSNorm``: normalise in float32, cast back, then scale by the weight

@@ -15,10 +15,9 @@ class DraftBlock {
   // ln1: the input RMSNorm's weight (none: EAGLE's layer 0); ln2: the post-attention one
   DraftBlock(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, std::optional<at::Tensor> ln1,
              at::Tensor ln2);
-  // the fused projections qkv, o, gate_up, down (``kernels.Linear``): weights and, per
-  // projection, kind, in, out, min_rows, max_rows, group (as ``Layers.add_layer``)
+  // the fused projections qkv, o, gate_up, down (``kernels.Linear``; ``native.linear_ints``)
   void set_linears(std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> scales,
-                   std::vector<int64_t> ints);
+                   std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> ints);
   // x (P, d) at rope tables cos, sin (P, 1, D) float32 -> (P, d); the new keys/values go to
   // rows [at, at + P) of kbuf, vbuf (capacity, G, D) and the block attends rows [0, at + P)
   // where mask (P, at + P) bool allows (none: all of them)

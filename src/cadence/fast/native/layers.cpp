@@ -72,16 +72,7 @@ class Layers {
     layer.q_norm = q_norm;
     layer.k_norm = k_norm;
     Lin* lins[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && biases.size() == 4 && ints.size() == 24,
-                "add_layer: 4 projections");
-    for (int j = 0; j < 4; ++j) {
-      Lin& l = *lins[j];
-      l.w = weights[j];
-      if (scales[j]) l.scale = *scales[j];
-      l.bias = biases[j];
-      const int64_t* v = ints.data() + 6 * j;
-      l.kind = v[0], l.in = v[1], l.out = v[2], l.min_rows = v[3], l.max_rows = v[4], l.group = v[5];
-    }
+    cadence::set_linears(lins, 4, weights, scales, biases, ints);
     layers_.push_back(std::move(layer));
   }
 

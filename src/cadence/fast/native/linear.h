@@ -79,4 +79,21 @@ struct Lin {
   }
 };
 
+// Fill ``lins`` from Python's ``kernels.Linear`` fields: weights, scales and biases per
+// projection, and 6 ints each (kind, in, out, min_rows, max_rows, group; ``native.linear_ints``)
+inline void set_linears(Lin* const* lins, size_t n, const std::vector<at::Tensor>& weights,
+                        const std::vector<std::optional<at::Tensor>>& scales,
+                        const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& ints) {
+  TORCH_CHECK(weights.size() == n && scales.size() == n && biases.size() == n && ints.size() == 6 * n,
+              "set_linears: ", n, " projections");
+  for (size_t j = 0; j < n; ++j) {
+    Lin& l = *lins[j];
+    l.w = weights[j];
+    if (scales[j]) l.scale = *scales[j];
+    l.bias = biases[j];
+    const int64_t* v = ints.data() + 6 * j;
+    l.kind = v[0], l.in = v[1], l.out = v[2], l.min_rows = v[3], l.max_rows = v[4], l.group = v[5];
+  }
+}
+
 }  // namespace cadence
