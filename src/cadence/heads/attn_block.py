@@ -69,19 +69,13 @@ def rope_tables(pos: torch.Tensor, D: int, theta: float, top: int | None = None)
 
 
 def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (..., N, heads, D) rotated (rotate-half) in float32 by cos, sin (..., N, 1, D)."""
+    """x (..., N, heads, D) rotated (rotate-half, Llama's default RoPE) in float32 by cos, sin
+    (..., N, 1, D) of ``rope_tables``. Example: position 0 (cos 1, sin 0) leaves x unchanged."""
     D = x.shape[-1]
     xf = x.float()
     x1, x2 = xf[..., :D // 2], xf[..., D // 2:]
     rot = torch.cat([-x2, x1], dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama's default rotary embedding (rotate-half) of x (..., N, heads, D) at positions
-    pos (..., N). Example: pos 0 leaves x unchanged."""
-    cos, sin = rope_tables(pos, x.shape[-1], theta)
-    return rope_apply(x, cos, sin)
 
 
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -157,9 +151,10 @@ class Block(nn.Module):
         return packed(self, {"qkv": [a.q_proj, a.k_proj, a.v_proj], "o": [a.o_proj],
                              "gate_up": [m.gate_proj, m.up_proj], "down": [m.down_proj]})
 
-    def qkv(self, x: torch.Tensor, pos: torch.Tensor, kern: dict | None = None):
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor, kern: dict | None = None, tables=None):
         """x (..., N, d), pos (..., N) -> q (..., N, H, D), k and v (..., N, G, D), RoPE applied.
-        ``kern``: ``decode_kernels()`` (drafting) instead of the modules."""
+        ``kern``: ``decode_kernels()`` (drafting) instead of the modules; ``tables``: pos's
+        ``rope_tables`` when the caller has them."""
         s, a = self.shape, self.self_attn
         y = self.input_layernorm(x) if self.input_layernorm is not None else x
         lead = x.shape[:-1]
@@ -171,7 +166,8 @@ class Block(nn.Module):
         q = q.reshape(*lead, s.heads, s.head_dim)
         k = k.reshape(*lead, s.kv_heads, s.head_dim)
         v = v.reshape(*lead, s.kv_heads, s.head_dim)
-        return rope(q, pos, s.rope_theta), rope(k, pos, s.rope_theta), v
+        cos, sin = tables if tables is not None else rope_tables(pos, s.head_dim, s.rope_theta)
+        return rope_apply(q, cos, sin), rope_apply(k, cos, sin), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, kern: dict | None = None) -> torch.Tensor:
         """x (..., d) the block input, attn (..., H, D) the attention output -> block output."""
@@ -238,16 +234,7 @@ class Block(nn.Module):
         block = _native_block(self, kern)
         if block is not None:
             return block.forward(x, cos, sin, kv.kbuf, kv.vbuf, at, mask)
-        y = self.input_layernorm(x) if self.input_layernorm is not None else x
-        a = self.self_attn
-        if kern is not None:
-            q, k, v = kern["qkv"](y.contiguous()).split(
-                [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
-        else:
-            q, k, v = a.q_proj(y), a.k_proj(y), a.v_proj(y)
-        q = rope_apply(q.reshape(P, s.heads, s.head_dim), cos, sin)
-        kv.kbuf[at:at + P] = rope_apply(k.reshape(P, s.kv_heads, s.head_dim), cos, sin)
-        kv.vbuf[at:at + P] = v.reshape(P, s.kv_heads, s.head_dim)
+        q, kv.kbuf[at:at + P], kv.vbuf[at:at + P] = self.qkv(x, pos, kern, (cos, sin))
         K = kv.kbuf[:at + P].transpose(0, 1)[None]  # (1, G, N, D)
         V = kv.vbuf[:at + P].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K, V,
