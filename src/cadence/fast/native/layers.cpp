@@ -174,11 +174,12 @@ class Layers {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<Layers>(m, "Layers")
+  pybind11::class_<Layers>(m, "Layers", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, at::Tensor, at::Tensor>())
       .def("add_layer", &Layers::add_layer)
       .def("forward", &Layers::forward);
-  pybind11::class_<cadence::DraftBlock>(m, "DraftBlock")
+  // module_local: builds for other instruction sets (``native.build_variant``) load beside this one
+  pybind11::class_<cadence::DraftBlock>(m, "DraftBlock", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, double, std::optional<at::Tensor>, at::Tensor>())
       .def("set_linears", &cadence::DraftBlock::set_linears)
       .def("forward", &cadence::DraftBlock::forward);
