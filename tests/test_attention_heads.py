@@ -26,7 +26,16 @@ from cadence.heads.mtp_attn import MTPAttnHeads
 from cadence.schedulers import StaticScheduler
 from cadence.trees import compile_tree, preset
 
-KINDS = ("eagle", "mtp-attn")
+KINDS = ("eagle", "eagle2", "mtp-attn")  # eagle2: a drafter of two decoder layers
+
+
+def make(kind, bb, k=3, **kw):
+    """new_heads, with "eagle2" = eagle heads of two layers."""
+    if kind == "eagle2":
+        return new_heads("eagle", bb, k, num_layers=2, **kw)
+    return new_heads(kind, bb, k, **kw)
+
+
 PROMPTS = ([5, 9, 11, 3, 7, 9, 11, 3], [40, 41, 42, 43, 40, 41], [7] * 12 + [100, 101, 7, 7])
 
 
@@ -92,8 +101,8 @@ class OracleMTPAttn(_Oracle, MTPAttnHeads):
 
 
 def oracle_heads(bb, kind, ref, plen):
-    base = new_heads(kind, bb, 3, random=True, seed=3)
-    cls = OracleEagle if kind == "eagle" else OracleMTPAttn
+    base = make(kind, bb, 3, random=True, seed=3)
+    cls = OracleEagle if kind.startswith("eagle") else OracleMTPAttn
     heads = cls(base.cfg)
     heads.load_state_dict(base.state_dict())
     return heads.bind(bb).arm(ref, plen, bb.vocab_size)
@@ -105,7 +114,7 @@ def oracle_heads(bb, kind, ref, plen):
 @pytest.mark.parametrize("arch", ("llama", "qwen2"))
 def test_random_heads_greedy_identical(backbones, kind, arch):
     bb = backbones[arch]
-    heads = new_heads(kind, bb, 3, random=True, seed=1)
+    heads = make(kind, bb, 3, random=True, seed=1)
     for tree, copy in (("chain", False), ("tree-8", False), ("tree-16", True), ("chain", True)):
         eng = engine_for(bb, heads, tree, copy)
         for prompt in PROMPTS:
@@ -129,7 +138,7 @@ def test_oracle_heads_accept_everything_and_stay_identical(backbones, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_interleaved_requests_keep_separate_states(backbones, kind):
     bb = backbones["llama"]
-    eng = engine_for(bb, new_heads(kind, bb, 3, random=True, seed=2), "tree-8")
+    eng = engine_for(bb, make(kind, bb, 3, random=True, seed=2), "tree-8")
     reqs = [eng.start(p, GenerationConfig(max_new_tokens=32)) for p in PROMPTS]
     while not all(r.done for r in reqs):
         for r in reqs:
@@ -143,7 +152,7 @@ def test_interleaved_requests_keep_separate_states(backbones, kind):
 def test_sampling_distribution_identical(kind):
     bb = tiny_backbone("llama", vocab=V, tokenizer=False, seed=1)
     cfg = GenerationConfig(max_new_tokens=N_NEW, temperature=1.0)
-    heads = new_heads(kind, bb, 3, random=True, seed=5, ).eval()
+    heads = make(kind, bb, 3, random=True, seed=5, ).eval()
     with torch.no_grad():  # gentler random heads: q overlaps p, so drafts are sometimes accepted
         for p in heads.parameters():
             p.mul_(0.3)
@@ -172,7 +181,7 @@ def test_drafting_equals_teacher_forcing_after_uneven_commits(backbones, kind):
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (1, 40))
     hidden = bb.forward(ids, need_logits=False).hidden[0]
-    heads = new_heads(kind, bb, 3, random=True, seed=1).eval()
+    heads = make(kind, bb, 3, random=True, seed=1).eval()
     ref = _teacher(heads, bb, ids)
     drafter = HeadDrafter(heads)
     state = drafter.new_state()
@@ -206,7 +215,7 @@ def test_cache_after_engine_run_equals_cache_from_scratch(backbones, kind):
         req.step()
     assert req.tokens == ref[:len(req.tokens)] and not req.done
     assert req.stats.accepted_at_depth[0] > 0 and min(s.accepted for s in req.stats.step_log) < 3
-    plain = new_heads(kind, bb, 3, random=True, seed=3)  # the same weights, no oracle
+    plain = make(kind, bb, 3, random=True, seed=3)  # the same weights, no oracle
     drafter = HeadDrafter(plain)
     tree = compile_tree(preset("tree-16", 3), name="t16")
     context = list(req.context)
@@ -219,10 +228,10 @@ def test_cache_after_engine_run_equals_cache_from_scratch(backbones, kind):
     a = drafter.draft(*args, state=old)
     b = drafter.draft(*args, state=fresh)
     assert torch.equal(a.tokens, b.tokens)
-    kv = (lambda st: st.cache.kv[-1]) if kind == "mtp-attn" else (lambda st: st.cache.kv)
-    assert kv(old).end == kv(fresh).end
-    torch.testing.assert_close(kv(old).k, kv(fresh).k, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kv(old).v, kv(fresh).v, atol=1e-4, rtol=1e-4)
+    for a, b in zip(old.cache.kv, fresh.cache.kv):  # every block's (eagle: layer's; mtp-attn: module's) cache
+        assert a.end == b.end
+        torch.testing.assert_close(a.k, b.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.v, b.v, atol=1e-4, rtol=1e-4)
 
 
 def test_state_out_of_step_is_a_clear_error(backbones):
@@ -250,7 +259,7 @@ def test_drafter_without_state_still_drafts(backbones):
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_load_round_trip(backbones, kind, tmp_path):
     bb = backbones["llama"]
-    heads = new_heads(kind, bb, 3, random=True, seed=4)
+    heads = make(kind, bb, 3, random=True, seed=4)
     heads.set_draft_vocab(torch.arange(0, 200))
     save_heads(heads, tmp_path)
     back = load_heads(tmp_path, bb)
@@ -265,7 +274,7 @@ def test_save_load_round_trip(backbones, kind, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_malformed_checkpoints_are_clear_errors(backbones, kind, tmp_path):
     bb = backbones["llama"]
-    save_heads(new_heads(kind, bb, 2, random=True), tmp_path)
+    save_heads(make(kind, bb, 2, random=True), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     bad = dict(cfg, num_attention_heads=0)  # no attention shape
     (tmp_path / "config.json").write_text(json.dumps(bad))
@@ -302,7 +311,8 @@ def test_training_learns_and_resumes(train_env, kind):
     from cadence.training.trainer import train
 
     env = train_env
-    kw = dict(kind=kind, steps=12, eval_every=6, save_every=4, feature_loss=0.5 if kind == "eagle" else 0.0)
+    kw = dict(kind=kind.rstrip("2"), steps=12, eval_every=6, save_every=4,
+              feature_loss=0.5 if kind.startswith("eagle") else 0.0, num_layers=2 if kind == "eagle2" else 1)
     full = train(base_config(env["data"], env["root"] / f"{kind}-full", env["model"], **kw), backbone=env["backbone"])
     assert full.status == "finished"
     first = full.summary["heldout"]["top1"]
@@ -312,7 +322,9 @@ def test_training_learns_and_resumes(train_env, kind):
     rest = train(base_config(env["data"], out, env["model"], **kw), backbone=env["backbone"])
     assert all(torch.equal(a, b) for a, b in zip(full.heads.state_dict().values(), rest.heads.state_dict().values()))
     loaded = load_heads(env["root"] / f"{kind}-full" / "heads", env["backbone"])
-    assert loaded.cfg.kind == kind and len(first) == 3
+    assert loaded.cfg.kind == kind.rstrip("2") and len(first) == 3
+    if kind.startswith("eagle"):
+        assert len(loaded.layers) == loaded.cfg.num_layers == kw["num_layers"]
     log = [json.loads(x) for x in (env["root"] / f"{kind}-full" / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if r["kind"] == "train"]
     assert losses[-1] < losses[0]  # it learns
@@ -368,7 +380,7 @@ def test_narrow_mlp_keeps_the_strongest_units_and_round_trips(backbones, kind, t
     from cadence.heads.attn_block import Block, narrow_mlp
 
     bb = backbones["llama"]
-    heads = new_heads(kind, bb, 3, random=True, seed=5)
+    heads = make(kind, bb, 3, random=True, seed=5)
     blocks = [m for m in heads.modules() if isinstance(m, Block)]
     x = torch.randn(2, 6, heads.cfg.hidden_size)
     pos = torch.arange(6).expand(2, 6)
@@ -507,3 +519,38 @@ def test_heads_draft_in_the_backbones_bfloat16_unless_told_otherwise():
         engine = make_engine(bb, spec)
         assert next(engine.drafter.heads.parameters()).dtype == want
         assert engine.generate(PROMPTS[0], cfg).tokens == ref
+
+
+def test_added_layers_start_as_the_identity_and_then_train(backbones):
+    """A one-layer drafter grown by ``add_layers`` drafts exactly what it drafted (features
+    and engine output), and its new layer gets gradients (it is not dead weight)."""
+    bb = backbones["llama"]
+    heads = new_heads("eagle", bb, 3, random=True, seed=6)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (1, 24))
+    before = _teacher(heads, bb, ids)
+    ref = [engine_for(bb, heads, "tree-8").generate(p, GenerationConfig(max_new_tokens=24)) for p in PROMPTS]
+    heads.add_layers(1)
+    assert heads.cfg.num_layers == len(heads.layers) == 2 and heads.layers[1].input_layernorm is not None
+    for a, b in zip(before, _teacher(heads, bb, ids)):
+        assert torch.equal(a, b)
+    for p, r in zip(PROMPTS, ref):
+        out = engine_for(bb, heads, "tree-8").generate(p, GenerationConfig(max_new_tokens=24))
+        assert out.tokens == r.tokens and out.stats.accepted_at_depth == r.stats.accepted_at_depth
+    hidden = bb.forward(ids, need_logits=False).hidden
+    sum(f.square().sum() for f in heads.train_features(hidden, ids)).backward()
+    assert heads.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert heads.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_num_layers_is_checked(train_env, tmp_path):
+    from cadence.training.trainer import train
+
+    env = train_env
+    with pytest.raises(CadenceError, match="only for eagle"):
+        train(base_config(env["data"], tmp_path / "a", env["model"], kind="mtp-attn", num_layers=2),
+              backbone=env["backbone"])
+    save_heads(new_heads("eagle", env["backbone"], 3, random=True, num_layers=2), tmp_path / "two")
+    with pytest.raises(CadenceError, match="layers can be added, not removed"):
+        train(base_config(env["data"], tmp_path / "b", env["model"], kind="eagle", init_from=str(tmp_path / "two")),
+              backbone=env["backbone"])

@@ -193,3 +193,48 @@ def test_format_names_of_the_issue_are_aliases(medusa, tmp_path):
     assert (a / "config.json").read_text() == (b / "config.json").read_text()
     with pytest.raises(CadenceError, match="unknown export format"):
         export_heads(root / "heads", "onnx", tmp_path / "c")
+
+
+def test_two_layer_drafter_exports_as_a_stack_of_llama_layers(setup, tmp_path):
+    """num_layers 2: config says 2, layer 1 keeps its input norm, and two transformers layers
+    (the first without input norm, as vLLM / SGLang build them) reproduce the features; the
+    directory imports back to identical drafts."""
+    bb = setup["bb"]
+    save_heads(new_heads("eagle", bb, 3, random=True, seed=8, num_layers=2), tmp_path / "h")
+    from cadence.heads import load_heads
+
+    heads = load_heads(tmp_path / "h", bb)
+    out = export_heads(tmp_path / "h", "vllm-eagle", tmp_path / "v", bb.config.to_dict())
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["num_hidden_layers"] == 2
+    w = load_file(str(out / "model.safetensors"))
+    assert "layers.1.input_layernorm.weight" in w and "layers.0.input_layernorm.weight" not in w
+    cfg = LlamaConfig(**{k: v for k, v in conf.items() if k != "cadence"})
+    cfg._attn_implementation = "eager"
+    layers = []
+    for i in range(2):
+        layer = LlamaDecoderLayer(cfg, layer_idx=i).float()
+        if i == 0:
+            layer.input_layernorm = torch.nn.Identity()
+        pre = f"layers.{i}."
+        layer.load_state_dict({k[len(pre):]: v.float() for k, v in w.items() if k.startswith(pre)}, strict=False)
+        layers.append(layer)
+    H = bb.hidden_size
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (1, 20))
+    hidden = bb.forward(ids, need_logits=False).hidden
+    T = ids.shape[1] - 1
+    x = torch.cat([bb.embed(ids[:, 1:]), hidden[:, :T]], dim=-1) @ w["fc.weight"].float().T
+    pos = torch.arange(T)[None]
+    cos_sin = LlamaRotaryEmbedding(cfg)(x, pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        for layer in layers:
+            x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+            x = x[0] if isinstance(x, tuple) else x
+        ours = heads.train_features(hidden, ids)[0]
+    assert H == ours.shape[-1]
+    torch.testing.assert_close(x[:, :ours.shape[1]], ours, atol=2e-2, rtol=2e-2)
+    back = import_eagle(out, bb)
+    assert back.cfg.num_layers == 2
+    assert_same_drafts(bb, heads, back)

@@ -6,14 +6,15 @@ EAGLE-1 (``vllm-eagle``, ``sglang-eagle``; vLLM ``vllm/model_executor/models/lla
 at commit 00da923 of vllm-project/vllm, SGLang ``python/sglang/srt/models/llama_eagle.py``
 at 034b3be of sgl-project/sglang):
 
-* ``config.json``: the backbone's Llama config with ``num_hidden_layers = 1`` and
+* ``config.json``: the backbone's Llama config with ``num_hidden_layers`` = the drafter's
+  layers (1 for EAGLE-1; both loaders build that many, only layer 0 without its input norm) and
   ``architectures = ["EagleLlamaForCausalLM"]`` (vLLM) or ``["LlamaForCausalLMEagle"]``
   (SGLang); the layer's shape (heads, kv heads, head_dim, intermediate size, RoPE theta,
   RMS eps) is the one the heads were trained with;
 * ``model.safetensors``: ``fc.weight`` [H, 2H] applied to ``cat(embedding, hidden)`` (that
-  order in both loaders; SGLang's ``fc`` has a bias, written as zeros) and ``layers.0.*``
-  with transformers' ``LlamaDecoderLayer`` names and no ``input_layernorm`` (both servers
-  drop it in layer 0). No ``embed_tokens`` / ``lm_head``: both share the target model's
+  order in both loaders; SGLang's ``fc`` has a bias, written as zeros) and ``layers.{i}.*``
+  with transformers' ``LlamaDecoderLayer`` names, layer 0 with no ``input_layernorm`` (both
+  servers drop it there). No ``embed_tokens`` / ``lm_head``: both share the target model's
   (vLLM skips ``embed_tokens`` from the draft checkpoint when pipeline parallelism is off).
   The draft vocabulary (a cadence-only speed-up) is not exported: servers draft over the
   full vocabulary with the shared LM head, which the heads were trained through.
@@ -63,7 +64,7 @@ def _llama_config(heads, backbone_config: dict | None, fmt: str) -> dict:
     for k in ("architectures", "quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         base.pop(k, None)
     base.update({
-        "architectures": [FORMATS[fmt]], "model_type": "llama", "num_hidden_layers": 1,
+        "architectures": [FORMATS[fmt]], "model_type": "llama", "num_hidden_layers": c.num_layers,
         "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim, "rms_norm_eps": c.rms_eps, "hidden_act": "silu", "attention_bias": False,
@@ -82,8 +83,9 @@ def _llama_config(heads, backbone_config: dict | None, fmt: str) -> dict:
 def eagle_state(heads, fmt: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The server-side tensors of ``heads`` (an EagleHeads)."""
     out = {"fc.weight": heads.fc.weight}
-    for name, t in heads.layers[0].state_dict().items():
-        out[f"layers.0.{name}"] = t
+    for i, layer in enumerate(heads.layers):
+        for name, t in layer.state_dict().items():
+            out[f"layers.{i}.{name}"] = t
     if fmt == "sglang-eagle":
         out["fc.bias"] = torch.zeros(heads.cfg.hidden_size)
     return {k: v.detach().to(dtype).cpu().contiguous() for k, v in out.items()}
@@ -204,13 +206,16 @@ def import_eagle(directory: str | Path, backbone):
         raise CadenceError(f"{directory} is not an exported eagle directory: {exc}") from exc
     shape = {k: conf[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                                   "rope_theta")}
-    heads = new_heads("eagle", backbone, conf.get("cadence", {}).get("num_heads", 3), rms_eps=conf["rms_norm_eps"],
-                      **shape)
-    mine = {"fc.weight": state["fc.weight"].float()}
-    mine.update({k[len("layers.0."):]: v.float() for k, v in state.items() if k.startswith("layers.0.")})
-    with torch.no_grad():
-        heads.fc.weight.copy_(mine.pop("fc.weight"))
-        heads.layers[0].load_state_dict(mine)
+    try:
+        heads = new_heads("eagle", backbone, conf.get("cadence", {}).get("num_heads", 3), rms_eps=conf["rms_norm_eps"],
+                          num_layers=int(conf.get("num_hidden_layers", 1)), **shape)
+        with torch.no_grad():
+            heads.fc.weight.copy_(state["fc.weight"].float())
+            for i, layer in enumerate(heads.layers):
+                pre = f"layers.{i}."
+                layer.load_state_dict({k[len(pre):]: v.float() for k, v in state.items() if k.startswith(pre)})
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise CadenceError(f"{directory} does not hold the eagle layers its config.json describes: {exc}") from exc
     return heads
 
 

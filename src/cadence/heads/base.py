@@ -45,6 +45,7 @@ class HeadConfig:
     head_dim: int = 0
     intermediate_size: int = 0
     rope_theta: float = 10000.0
+    num_layers: int = 1  # eagle: decoder layers in the drafter (1 = EAGLE-1; more run in sequence)
 
     def to_dict(self) -> dict:
         return asdict(self)

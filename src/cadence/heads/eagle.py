@@ -1,9 +1,13 @@
-"""EAGLE-1 drafter: one Llama decoder layer doing feature-level autoregression.
+"""EAGLE-1 drafter: Llama decoder layers doing feature-level autoregression.
 
-    f_j = Layer( fc[ E(x_{j+1}) ; h_j ] )        entry j, at position j
+    f_j = Layers( fc[ E(x_{j+1}) ; h_j ] )        entry j, at position j
     logits for x_{j+2} = W_lm(f_j)
 
-with causal self-attention over earlier entries (its own KV cache). Drafting feeds f back
+with causal self-attention over earlier entries (each layer its own KV cache). ``Layers`` is
+one decoder layer (EAGLE-1, ``num_layers`` 1) or several in sequence (``num_layers`` N, as
+vLLM's ``llama_eagle`` builds them: only layer 0 lacks the input RMSNorm). ``add_layers``
+grows a trained drafter by identity layers (zero output projections), so training can
+continue from a one-layer drafter without losing what it knows. Drafting feeds f back
 in place of h: the entry of a tree node at depth d >= 1 is ``fc[E(its token) ; f_parent]`` at
 position t + d (t the root's parent position), seeing the cached entries of the committed
 context (root's entry included, it is always committed), its ancestors' entries and
@@ -41,7 +45,7 @@ from cadence.heads.base import DraftHeads, HeadConfig
 class _Tree:
     """One draft's scratch state: the cache, the root's features, the tree's own entries."""
 
-    cache: KV
+    cache: list  # [KV] per layer (same rows in each)
     t: int  # position of the root's parent state h_t (root entry's position)
     root: torch.Tensor  # (d,) f of the root entry
     m: int = 0  # entries of drafted nodes (depth >= 1), in the cache's scratch rows [n, n + m)
@@ -53,12 +57,12 @@ class EagleCache:
 
     def __init__(self, heads: "EagleHeads", start: int):
         p = next(heads.parameters())
-        self.kv = KV(heads.layers[0].shape, start, p.device, p.dtype)
+        self.kv = [KV(layer.shape, start, p.device, p.dtype) for layer in heads.layers]  # per layer
         self.last: torch.Tensor | None = None  # f of the newest entry
 
     @property
     def end(self) -> int:
-        return self.kv.end
+        return self.kv[0].end
 
 
 class EagleHeads(DraftHeads):
@@ -74,11 +78,19 @@ class EagleHeads(DraftHeads):
         with torch.no_grad():  # start as "pass h through": f = h, drafts = the backbone's own guess at t
             self.fc.weight.zero_()
             self.fc.weight[:, d:] = torch.eye(d)
-        self.layers = nn.ModuleList([Block(shape_from_config(cfg), input_norm=False)])
+        if cfg.num_layers < 1:
+            raise CadenceError(f"eagle heads need at least one layer (num_layers {cfg.num_layers})")
+        s = shape_from_config(cfg)
+        self.layers = nn.ModuleList([Block(s, input_norm=i > 0) for i in range(cfg.num_layers)])
 
-    @property
-    def layer(self) -> Block:
-        return self.layers[0]
+    def add_layers(self, n: int) -> "EagleHeads":
+        """Append n fresh layers after the last; each starts as the identity (``Block`` zeroes
+        its output projections), so the drafts are unchanged until they are trained."""
+        p = next(self.parameters())
+        for _ in range(n):
+            self.layers.append(Block(shape_from_config(self.cfg), input_norm=True).to(p.device, p.dtype))
+        self.cfg.num_layers = len(self.layers)
+        return self
 
     def _input(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         x = torch.cat([self.embed(tokens), feats.to(self._param_dtype())], dim=-1)
@@ -99,15 +111,19 @@ class EagleHeads(DraftHeads):
         pos = torch.arange(L, device=ids.device).expand(B, L)
         seg = torch.zeros_like(ids) if seg is None else seg
         mask1 = segment_causal(seg[:, :L])
-        x = self._input(ids[:, 1:], h)
-        f, k1, v1 = self.layer.forward_masked(x, pos, mask1)
+        f = self._input(ids[:, 1:], h)
+        k1, v1 = [], []  # per layer: level-1 keys / values (B, L, G, D)
+        for layer in self.layers:
+            f, k, v = layer.forward_masked(f, pos, mask1)
+            k1.append(k), v1.append(v)
         feats = [f[:, :T - 2]]
-        dk, dv = [], []
+        dk, dv = [[] for _ in self.layers], [[] for _ in self.layers]  # per layer: deeper levels' keys
         for m in range(2, self.K + 1):
             tok = torch.cat([ids[:, m:], ids.new_zeros(B, m - 1)], dim=1)  # x_{t+m}, padded
-            x = self._input(tok, f)
-            f, k, v = self.layer.forward_ttt(x, pos + (m - 1), k1, v1, mask1, dk, dv)
-            dk, dv = dk + [k], dv + [v]
+            f = self._input(tok, f)
+            for i, layer in enumerate(self.layers):
+                f, k, v = layer.forward_ttt(f, pos + (m - 1), k1[i], v1[i], mask1, dk[i], dv[i])
+                dk[i], dv[i] = dk[i] + [k], dv[i] + [v]
             feats.append(f[:, :T - 1 - m])
         return feats
 
@@ -129,13 +145,15 @@ class EagleHeads(DraftHeads):
                                f"states, but the root's parent is at {t}")
         if m:
             dev = pending.device
-            kv = cache.kv
+            n = cache.kv[0].n
             toks = torch.tensor(seq[cache.end + 1:t + 2], device=dev)
             pos = torch.arange(cache.end, t + 1, device=dev)
             # entry i sees the committed entries and the new ones up to itself
-            mask = None if m == 1 else torch.ones(m, kv.n + m, dtype=torch.bool, device=dev).tril(kv.n)
-            out = self.layer.draft_forward(self._input(toks, pending), pos, kv, kv.n, mask, top=t)
-            kv.advance(m)
+            mask = None if m == 1 else torch.ones(m, n + m, dtype=torch.bool, device=dev).tril(n)
+            out = self._input(toks, pending)
+            for layer, kv in zip(self.layers, cache.kv):
+                out = layer.draft_forward(out, pos, kv, n, mask, top=t)
+                kv.advance(m)
             cache.last = out[-1]
         if cache.last is None:
             raise CadenceError("eagle drafter state is empty: commit the prompt's states first")
@@ -147,17 +165,19 @@ class EagleHeads(DraftHeads):
         features (P, d), from which their children at depth k are drafted."""
         if k == 1:  # the root: its entry is already in the cache
             return ctx.root[None].expand(len(nodes), -1)
-        dev, kv, M, P = tokens.device, ctx.cache, ctx.m, len(nodes)
+        dev, n, M, P = tokens.device, ctx.cache[0].n, ctx.m, len(nodes)
         # scratch entries a node sees: its drafted ancestors' (by index) and its own (M + i)
         own = [[False] * (M + P) for _ in range(P)]
         for i, p in enumerate(parents):
             for j in ctx.anc.get(p, []):
                 own[i][j] = True
             own[i][M + i] = True
-        mask = torch.ones(P, kv.n + M + P, dtype=torch.bool, device=dev)
-        mask[:, kv.n:] = torch.tensor(own, dtype=torch.bool, device=dev)
+        mask = torch.ones(P, n + M + P, dtype=torch.bool, device=dev)
+        mask[:, n:] = torch.tensor(own, dtype=torch.bool, device=dev)
         pos = torch.full((P,), ctx.t + k - 1, device=dev)
-        out = self.layer.draft_forward(self._input(tokens, prev), pos, kv, kv.n + M, mask, top=ctx.t + k - 1)
+        out = self._input(tokens, prev)
+        for layer, kv in zip(self.layers, ctx.cache):
+            out = layer.draft_forward(out, pos, kv, n + M, mask, top=ctx.t + k - 1)
         ctx.m += P
         for i, (node, p) in enumerate(zip(nodes, parents)):
             ctx.anc[node] = ctx.anc.get(p, []) + [M + i]

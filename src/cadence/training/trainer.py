@@ -58,6 +58,9 @@ class TrainConfig:
     kind: str = field(default="hydra", metadata={"help": "head type: medusa | hydra | mtp | eagle | mtp-attn"})
     num_heads: int = field(default=3, metadata={
         "help": "K, heads drafting tokens 2..K+1 after the backbone's own"})
+    num_layers: int = field(default=1, metadata={
+        "help": "eagle: decoder layers in the drafter; with --init-from a drafter of fewer layers, the "
+                "added ones start as the identity (training continues from what it drafts)"})
     loss: str = field(default="ce", metadata={"help": "ce | kl | ce+adamtp | kl+adamtp"})
     target: str = field(default="token", metadata={
         "help": "ce target: token (the data token) | backbone (backbone argmax at that position)"})
@@ -132,6 +135,8 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
         d.pop(k)
     # fields added later are left out when unset, so older checkpoints resume (--no-context-vocab)
     d = {k: v for k, v in d.items() if v or k not in ("draft_vocab_from", "init_from", "context_vocab")}
+    if d.get("num_layers") == 1:  # added later too: the default stays out
+        d.pop("num_layers")
     d["uses_cache"] = bool(cfg.cache_hidden)
     d["world_size"] = world_size
     d["data"] = str(Path(cfg.data).resolve())
@@ -155,6 +160,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("eval_every", "eval_rows", "stop_after", "warmup_steps"):
         if getattr(cfg, name) < 0:
             raise CadenceError(f"--{name.replace('_', '-')} must not be negative")
+    if cfg.num_layers < 1 or (cfg.num_layers > 1 and cfg.kind != "eagle"):
+        raise CadenceError("--num-layers must be at least 1, and more than 1 only for eagle heads")
     if cfg.max_len < cfg.num_heads + 3:
         raise CadenceError("--max-len is too short for this many heads")
     if cfg.lr <= 0:
@@ -179,6 +186,12 @@ def _init_heads(cfg: TrainConfig, backbone):
     if (heads.cfg.kind, heads.cfg.num_heads) != (cfg.kind, cfg.num_heads):
         raise CadenceError(f"--init-from {cfg.init_from} holds {heads.cfg.num_heads} {heads.cfg.kind} heads; "
                            f"this run trains {cfg.num_heads} {cfg.kind} heads")
+    have = heads.cfg.num_layers
+    if cfg.num_layers < have:
+        raise CadenceError(f"--init-from {cfg.init_from} has {have} layers; --num-layers {cfg.num_layers} "
+                           "would drop some (layers can be added, not removed)")
+    if cfg.num_layers > have:
+        heads.add_layers(cfg.num_layers - have)
     heads.policy = DraftPolicy()
     return heads
 
@@ -335,7 +348,8 @@ class _Run:
     def _setup_model(self) -> None:
         """Heads, draft vocabulary, optimizer, LR schedule; state from the checkpoint."""
         cfg, accelerator = self.cfg, self.accelerator
-        heads = _init_heads(cfg, self.backbone) if cfg.init_from else new_heads(cfg.kind, self.backbone, cfg.num_heads)
+        heads = _init_heads(cfg, self.backbone) if cfg.init_from else new_heads(
+            cfg.kind, self.backbone, cfg.num_heads, **({"num_layers": cfg.num_layers} if cfg.num_layers > 1 else {}))
         self.vocab_map = None
         if cfg.init_from and heads.draft_vocab is not None:
             self.vocab_map = vocab_map(heads.draft_vocab, self.backbone.vocab_size)
