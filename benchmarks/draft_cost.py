@@ -10,7 +10,8 @@ is compared with plain decoding's (``identical``).
 A method may carry variant flags after a colon (session 15): ``:fp32`` drafts with float32
 heads on a bf16 backbone (``MethodSpec.heads_dtype``; the default, auto, drafts in bf16 there),
 ``:py`` runs the attention heads' drafter block in Python instead of C++
-(``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy:fp32:py``.
+(``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy:fp32:py``; ``eagle@DIR``
+takes the heads from DIR, as in ``cadence bench``.
 
 Usage:  python benchmarks/draft_cost.py [--methods hydra eagle mtp-attn] [--max-new-tokens 128]
 """
@@ -58,12 +59,16 @@ class _Timer:
 
 
 def spec_of(name: str) -> tuple[MethodSpec, bool]:
-    """'eagle/nocopy:fp32:py' -> (its MethodSpec, whether the drafter block runs in Python)."""
+    """'eagle/nocopy:fp32:py' -> (its MethodSpec, whether the drafter block runs in Python);
+    'eagle@DIR/nocopy' takes the heads from DIR (as in ``cadence bench``)."""
     base, *flags = name.split(":")
     bad = set(flags) - {"fp32", "py"}
     if bad:
         raise SystemExit(f"unknown variant flag(s) {sorted(bad)} in {name!r}: use :fp32 and/or :py")
-    spec = MethodSpec(method=Method(base.split("/")[0]), copy="/nocopy" not in base,
+    copy = not base.endswith("/nocopy")
+    base = base.removesuffix("/nocopy")
+    kind, _, where = base.partition("@")
+    spec = MethodSpec(method=Method(kind), copy=copy, heads=where or "default",
                       heads_dtype="float32" if "fp32" in flags else "auto")
     return spec, "py" in flags
 

@@ -1,0 +1,42 @@
+"""Cut a distilled store down to some of its shards, for training on a machine without its
+hidden cache (rebuilding the cache for the whole store takes hours on 2 cores).
+
+Writes OUT/manifest.json (the store's manifest with the chosen shards) and symlinks to the
+shards, so ``cadence train --data OUT`` reads only those. Keeps every val shard (held-out
+numbers stay comparable with runs on the whole store) and, of the train shards, the first
+``--first`` and every ``--every``-th (an even spread over the store's sources and ages).
+
+Usage (session 16): python scripts/subset_store.py data/selfdistill/smollm2 runs/s16/sub --every 8 --first 2
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("store")
+    ap.add_argument("out")
+    ap.add_argument("--every", type=int, default=8, help="keep every N-th train shard")
+    ap.add_argument("--first", type=int, default=0, help="and the first N train shards")
+    args = ap.parse_args()
+    src, out = Path(args.store).resolve(), Path(args.out)
+    m = json.loads((src / "manifest.json").read_text())
+    train = [s["file"] for s in m["shards"] if s.get("split", "train") == "train"]
+    keep = set(train[:args.first]) | set(train[::max(1, args.every)])
+    keep |= {s["file"] for s in m["shards"] if s.get("split") == "val"}
+    out.mkdir(parents=True, exist_ok=True)
+    for name in keep:
+        if not (out / name).exists():
+            os.symlink(src / name, out / name)
+    shards = [s for s in m["shards"] if s["file"] in keep]
+    (out / "manifest.json").write_text(json.dumps(dict(m, shards=shards)))
+    tr = [s for s in shards if s.get("split", "train") == "train"]
+    print(f"{out}: {len(tr)} train shards ({sum(s['tokens'] for s in tr):,} tokens, "
+          f"{sum(s['reply_tokens'] for s in tr):,} reply), {len(shards) - len(tr)} val")
+
+
+if __name__ == "__main__":
+    main()
