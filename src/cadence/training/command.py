@@ -14,7 +14,7 @@ from cadence.cliargs import add_fields, from_args
 
 def register(sub) -> None:
     from cadence.training.data import DistillConfig
-    from cadence.training.trainer import TrainConfig
+    from cadence.training.train_config import TrainConfig
 
     p = sub.add_parser("distill", help="self-distillation data: the backbone answers training prompts",
                        description="Append self-distilled shards to a store (default "
