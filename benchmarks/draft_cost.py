@@ -40,7 +40,7 @@ PROMPTS = [
 ]
 
 
-DRAFTER_CALLS = ("draft", "shadow_heads", "shadow_copy", "commit")
+DRAFTER_CALLS = ("draft", "draft_dynamic", "shadow_heads", "shadow_copy", "commit")
 
 
 class _Timer:
@@ -60,16 +60,25 @@ class _Timer:
 
 def spec_of(name: str) -> tuple[MethodSpec, bool]:
     """'eagle/nocopy:fp32:py' -> (its MethodSpec, whether the drafter block runs in Python);
-    'eagle@DIR/nocopy' takes the heads from DIR (as in ``cadence bench``)."""
+    'eagle@DIR/nocopy' takes the heads from DIR (as in ``cadence bench``); 'eagle+dynamic'
+    picks a scheduler, and ':FIELD=VALUE' sets a MethodSpec field, e.g.
+    'eagle+dynamic/nocopy:dyn_nodes=8'."""
     base, *flags = name.split(":")
+    fields = dict(f.split("=", 1) for f in flags if "=" in f)
+    flags = [f for f in flags if "=" not in f]
     bad = set(flags) - {"fp32", "py"}
     if bad:
         raise SystemExit(f"unknown variant flag(s) {sorted(bad)} in {name!r}: use :fp32 and/or :py")
     copy = not base.endswith("/nocopy")
     base = base.removesuffix("/nocopy")
-    kind, _, where = base.partition("@")
-    spec = MethodSpec(method=Method(kind), copy=copy, heads=where or "default",
+    base, _, where = base.partition("@")
+    kind, _, scheduler = base.partition("+")
+    spec = MethodSpec(method=Method(kind), copy=copy, heads=where or "default", scheduler=scheduler or "auto",
                       heads_dtype="float32" if "fp32" in flags else "auto")
+    for key, value in fields.items():
+        if not hasattr(spec, key):
+            raise SystemExit(f"unknown MethodSpec field {key!r} in {name!r}")
+        setattr(spec, key, type(getattr(spec, key))(value))
     return spec, "py" in flags
 
 

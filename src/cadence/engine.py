@@ -267,7 +267,7 @@ class Request:
         state = StepState(hidden=self.hidden, root_logits=self.root_logits, step=self.stats.steps,
                           new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
         plan = self._plan(state, remaining)
-        tree, tokens, q = self._draft(plan.tree)
+        tree, tokens, q = self._draft(plan.tree, plan.dynamic, remaining)
         shadow, later = self._shadow(plan)
         return PendingStep(state, plan, tree, tokens, q, t_step, shadow, later)
 
@@ -368,10 +368,18 @@ class Request:
         guesses = self.engine.drafter.shadow_heads(torch.stack([h for h, _, _ in rows]), [r for _, r, _ in rows])
         return tuple(g == t for g, (_, _, t) in zip(guesses, rows))
 
-    def _draft(self, tree):
+    def _draft(self, tree, dynamic=None, remaining: int = 0):
         """(tree that runs, its (N+1,) tokens, q or None): the drafter fills the tree;
-        nodes it could not fill are gone from the returned tree."""
+        nodes it could not fill are gone from the returned tree. ``dynamic``: a
+        ``dynamic_tree.DynamicTree`` to grow instead, at T = 0 with head drafters (then
+        ``tree`` is ignored), at most ``remaining - 1`` levels deep."""
         bb = self.engine.backbone
+        drafter = self.engine.drafter
+        if dynamic is not None and self.sampling.greedy and hasattr(drafter, "draft_dynamic"):
+            depth = min(drafter.max_depth(self.sampling), remaining - 1)
+            draft = drafter.draft_dynamic(dynamic, self.root, self.hidden, self.context, depth,
+                                          self.copies, self.draft_state)
+            return draft.tree, draft.tokens, None
         if tree.size == 1:
             return tree, torch.tensor([self.root], device=bb.device), None
         extra = {"state": self.draft_state} if self.draft_state is not None else {}

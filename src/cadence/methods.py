@@ -65,7 +65,7 @@ class MethodSpec:
     scheduler: str = field(default="auto", metadata={
         "help": "how much to speculate each step: auto (adaptive with --tree auto on calibrated heads, "
                 "else static), or one of `cadence.schedulers.registry.names()`: static (--tree), "
-                "adaptive, adaptive-k, entmtp (lossless); lossy, opt-in: clp-unverified, confidence"})
+                "adaptive, adaptive-k, entmtp, dynamic (lossless); lossy, opt-in: clp-unverified, confidence"})
     profile: str = field(default="general", metadata={
         "help": "entmtp: acceptance profile (general | humaneval | gsm8k | sharegpt | writing)"})
     ent_window: int = field(default=1, metadata={
@@ -73,6 +73,16 @@ class MethodSpec:
     clp: str = field(default="", metadata={"help": "clp schedulers: path of the trained CLP (default: beside the heads)"})
     confidence: str = field(default="", metadata={
         "help": "confidence scheduler: path of the trained confidence head (default: beside the heads)"})
+    dyn_topk: int = field(default=4, metadata={
+        "help": "dynamic scheduler: children per expanded node and nodes expanded per level (EAGLE-2's top-k)"})
+    dyn_nodes: int = field(default=16, metadata={
+        "help": "dynamic scheduler: most draft nodes verified per step (fewer when this machine's verify "
+                "latency says they do not pay)"})
+    copy_conf: float = field(default=0.4, metadata={
+        "help": "dynamic scheduler: a context copy's value relative to its parent (at least; the heads' "
+                "probability when higher)"})
+    copy_run_conf: float = field(default=0.7, metadata={
+        "help": "dynamic scheduler: the same for a copy whose parent is a copy (a copied run tends to go on)"})
     threshold: float = field(default=0.95, metadata={
         "help": "confidence scheduler: commit drafts above this confidence unverified (lossy)"})
 

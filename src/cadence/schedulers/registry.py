@@ -59,5 +59,5 @@ def names() -> list[str]:
 
 def _load_all() -> None:
     """Import every scheduler module (each registers itself)."""
-    from cadence.schedulers import adaptive, entmtp, entmtp_adaptive, static  # noqa: F401
+    from cadence.schedulers import adaptive, dynamic, entmtp, entmtp_adaptive, static  # noqa: F401
     from cadence.schedulers import clp, confidence  # noqa: F401  (CLP and confidence heads)

@@ -1,0 +1,145 @@
+"""EAGLE-2's dynamic tree (``dynamic_tree``, ``--scheduler dynamic``): the worked examples,
+lossless greedy decoding with random and oracle heads of every kind (with and without
+context copy), the latency-cut size, and the fallback to a static tree at T > 0."""
+
+import math
+
+import pytest
+import torch
+from test_attention_heads import PROMPTS, make, oracle_heads, reference
+from tiny import tiny_backbone
+
+from cadence.context_copy import CopyConfig
+from cadence.drafter import HeadDrafter
+from cadence.dynamic_tree import DynamicTree, _Cand, best_size, draft_dynamic, select, to_draft
+from cadence.engine import Engine, GenerationConfig
+from cadence.errors import CadenceError
+from cadence.heads import new_heads
+from cadence.methods import Method, MethodSpec, make_engine
+from cadence.schedulers.dynamic import DynamicScheduler
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees import chain, compile_tree
+
+
+@pytest.fixture(scope="module")
+def backbones():
+    return {arch: tiny_backbone(arch) for arch in ("llama", "qwen2")}
+
+
+def _c(id, parent, token, p, depth=1):
+    return _Cand(id, parent, token, depth, math.log(p))
+
+
+def test_select_keeps_ancestors_and_the_best_values():
+    a, b = _c(1, 0, 7, .9), _c(2, 0, 8, .5)
+    c, d = _c(3, 1, 9, .6, 2), _c(4, 2, 10, .55, 2)
+    assert [x.id for x in select([a, b, c, d], 3)] == [1, 3, 2]
+    orphan = _c(5, 99, 11, .99, 2)  # its parent was never drafted: never taken
+    assert 5 not in [x.id for x in select([a, orphan, b], 3)]
+
+
+def test_best_size_weighs_acceptance_against_latency():
+    step = lambda n: 0.010 if n <= 3 else 0.030  # noqa: E731
+    assert best_size([.9, .8, .1], step, 0.0, 16) == 2
+    assert best_size([.9, .8, .1], None, 0.0, 2) == 2  # no curve: the cap
+    assert best_size([.01], lambda n: 0.010 * n, 0.0, 16) == 0  # a poor draft is not worth a node
+
+
+def test_to_draft_orders_tokens_as_the_compiled_tree():
+    a, b, c = _c(1, 0, 7, .9), _c(2, 0, 8, .5), _c(3, 1, 9, .6, 2)
+    d = to_draft(5, select([a, b, c], 3), "cpu")
+    assert list(d.tree.paths) == [(0,), (1,), (0, 0)]
+    assert d.tokens.tolist() == [5, 7, 8, 9]
+    assert d.tree.parents[3] == 1
+
+
+def dyn_engine(bb, heads, copy=False, **kw):
+    drafter = HeadDrafter(heads, CopyConfig() if copy else None, copy_depth=6 if copy else 0)
+    spec = DynamicTree(**kw)
+    static = compile_tree(chain(heads.K), name="chain")
+    return Engine(bb, drafter, lambda s: DynamicScheduler(spec) if s.greedy else StaticScheduler(static))
+
+
+KINDS = ("eagle", "eagle2", "mtp-attn", "hydra", "medusa", "mtp")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))
+def test_random_heads_dynamic_greedy_identical(backbones, kind, arch):
+    bb = backbones[arch]
+    heads = make(kind, bb, 3, random=True, seed=1)
+    for copy in (False, True):
+        eng = dyn_engine(bb, heads, copy, topk=3, max_nodes=10)
+        for prompt in PROMPTS:
+            out = eng.generate(prompt, GenerationConfig(max_new_tokens=48))
+            assert out.tokens == reference(bb, prompt), (kind, arch, copy, prompt)
+            assert all(s.tree.startswith("dynamic-") for s in out.stats.step_log)
+
+
+@pytest.mark.parametrize("kind", ("eagle", "eagle2", "mtp-attn"))
+def test_oracle_heads_fill_the_dynamic_tree_with_the_right_path(backbones, kind):
+    bb = backbones["llama"]
+    for prompt in PROMPTS:
+        ref = reference(bb, prompt)
+        heads = oracle_heads(bb, kind, ref, len(prompt))
+        out = dyn_engine(bb, heads, topk=4, max_nodes=8).generate(prompt, GenerationConfig(max_new_tokens=48))
+        assert out.tokens == ref
+        assert out.stats.tau > 3.5, (kind, out.stats.tau)  # the top path (value ~1) is always drafted
+
+
+def test_copies_extend_the_tree_past_the_heads(backbones):
+    """Random heads draft near-uniform guesses, so the context copy (valued at copy_conf per
+    level) carries the tree: after context 1..10, 1, 2, 3 and root 4, the copy chain 5..10
+    is drafted to depth 6, past the heads' K = 3."""
+    bb = backbones["llama"]
+    heads = make("eagle", bb, 3, random=True, seed=1)
+    drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
+    ctx = list(range(1, 11)) + [1, 2, 3]
+    state = drafter.new_state()
+    drafter.commit(state, torch.zeros(len(ctx), bb.hidden_size), ctx)
+    d = draft_dynamic(drafter, DynamicTree(topk=2, max_nodes=8, copy_conf=0.9, copy_run_conf=0.9), 4, torch.zeros(bb.hidden_size),
+                      ctx, 6, drafter.new_index(), state)
+    tree, toks = d.tree, d.tokens.tolist()
+    deepest = max(range(tree.size), key=lambda i: tree.depths[i])
+    path = []
+    while deepest > 0:
+        path.append(toks[deepest])
+        deepest = tree.parents[deepest]
+    assert path[::-1] == [5, 6, 7, 8, 9, 10]
+
+
+def test_latency_cuts_the_tree(backbones):
+    bb = backbones["llama"]
+    heads = make("eagle", bb, 3, random=True, seed=1)
+    drafter = HeadDrafter(heads)
+    hidden = torch.zeros(bb.hidden_size)
+    ctx = [1, 2, 3]
+    state = drafter.new_state()
+    drafter.commit(state, torch.zeros(3, bb.hidden_size), ctx)
+    flat = draft_dynamic(drafter, DynamicTree(topk=4, max_nodes=12), 4, hidden, ctx, 3, state=state)
+    assert flat.tree.size == 13 and flat.tree.max_depth <= 3
+    state = drafter.new_state()
+    drafter.commit(state, torch.zeros(3, bb.hidden_size), ctx)
+    steep = draft_dynamic(drafter, DynamicTree(topk=4, max_nodes=12, latency=lambda n: 0.01 * n ** 2),
+                          4, hidden, ctx, 3, state=state)
+    assert steep.tree.size < 4  # random heads' drafts are worth little against a steep curve
+
+
+def test_sampling_runs_the_static_tree(backbones):
+    bb = backbones["llama"]
+    heads = new_heads("hydra", bb, 3, random=True, seed=1)
+    eng = dyn_engine(bb, heads, topk=3, max_nodes=8)
+    out = eng.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16, temperature=1.0, seed=3))
+    assert {s.tree for s in out.stats.step_log} <= {"chain", "chain~2", "chain~3", "chain@1", "chain@2"}
+
+
+def test_method_spec_builds_it_and_checks_settings(backbones):
+    bb = backbones["llama"]
+    spec = MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", dyn_nodes=6)
+    eng = make_engine(bb, spec)
+    out = eng.generate(PROMPTS[1], GenerationConfig(max_new_tokens=24))
+    assert out.tokens == reference(bb, PROMPTS[1], 24)
+    assert all(s.nodes <= 7 for s in out.stats.step_log)
+    for bad in (dict(dyn_topk=0), dict(dyn_nodes=0), dict(copy_conf=0.0), dict(copy_conf=1.5), dict(copy_run_conf=-1.0)):
+        with pytest.raises(CadenceError):
+            make_engine(bb, MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", **bad))
