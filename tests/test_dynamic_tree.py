@@ -143,3 +143,93 @@ def test_method_spec_builds_it_and_checks_settings(backbones):
     for bad in (dict(dyn_topk=0), dict(dyn_nodes=0), dict(copy_conf=0.0), dict(copy_conf=1.5), dict(copy_run_conf=-1.0)):
         with pytest.raises(CadenceError):
             make_engine(bb, MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", **bad))
+
+
+def gated_factory(bb, heads, latency):
+    """The ``dynamic`` scheduler's factory for calibrated heads (a made-up table and curve)."""
+    from cadence.heads.policy import DraftPolicy
+    from cadence.schedulers.registry import SchedulerContext, entry
+    from cadence.tree_policy import TreePolicy
+
+    heads.policy = DraftPolicy(acceptance=[[0.8, 0.1]] * 3, copy_acceptance=[[0.8, 0.1]] * 6)
+    drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
+    policy = TreePolicy("auto", heads, drafter, latency=latency, draft_s=0.0001)
+    ctx = SchedulerContext(bb, heads, drafter, policy, MethodSpec(method=Method.EAGLE, scheduler="dynamic"))
+    return drafter, entry("dynamic").build(ctx)
+
+
+def test_calibrated_heads_gate_speculation_through_adaptive(backbones):
+    """Random heads miss every draft: the adaptive gate soon runs the root alone (with shadow
+    drafts), and every step that speculates drafts a dynamic tree. Output unchanged."""
+    from cadence.latency import LatencyCurve
+    from cadence.schedulers.adaptive import AdaptiveScheduler
+    from cadence.schedulers.dynamic import GatedDynamic
+    from cadence.sampling import SamplingParams
+
+    bb = backbones["llama"]
+    heads = make("eagle", bb, 3, random=True, seed=1)
+    dear = LatencyCurve(sizes=[1, 2, 4, 8, 16], seconds=[0.010, 0.0125, 0.013, 0.014, 0.017])
+    drafter, factory = gated_factory(bb, heads, dear)
+    assert isinstance(factory(SamplingParams()), GatedDynamic)
+    assert isinstance(factory(SamplingParams(temperature=1.0)), AdaptiveScheduler)
+    out = Engine(bb, drafter, factory).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
+    assert out.tokens == reference(bb, PROMPTS[0])
+    trees = [s.tree for s in out.stats.step_log]
+    assert trees.count("root") > len(trees) // 2  # drafts that miss stop being paid for
+    assert all(t == "root" or t.startswith("dynamic-") for t in trees)
+
+
+def test_gated_oracle_heads_speculate_with_dynamic_trees(backbones):
+    from cadence.latency import LatencyCurve
+
+    bb = backbones["llama"]
+    prompt = PROMPTS[1]
+    ref = reference(bb, prompt)
+    heads = oracle_heads(bb, "eagle", ref, len(prompt))
+    flat = LatencyCurve(sizes=[1, 64], seconds=[0.010, 0.011])
+    drafter, factory = gated_factory(bb, heads, flat)
+    out = Engine(bb, drafter, factory).generate(prompt, GenerationConfig(max_new_tokens=48))
+    assert out.tokens == ref
+    assert out.stats.tau > 3.0
+    assert sum(s.tree.startswith("dynamic-") for s in out.stats.step_log) >= len(out.stats.step_log) - 2
+
+
+def test_copy_trust_follows_the_request():
+    from cadence.schedulers.dynamic import CopyTrust
+
+    t = CopyTrust(DynamicTree(copy_conf=0.4, copy_run_conf=0.7), prior=4.0)
+    t.observe([(False, False)] * 6)
+    assert t.spec().copy_conf == pytest.approx(1.6 / 10)
+    assert t.spec().copy_run_conf == pytest.approx(0.7)
+    t.observe([(True, True)] * 6)
+    assert t.spec().copy_run_conf == pytest.approx((2.8 + 6) / 10)
+
+
+def test_copy_outcomes_come_back_from_the_engine(backbones):
+    """The engine reports, per step, each flagged copy node whose parent was accepted and
+    whether it was accepted itself; the scheduler's trust counts them."""
+    from cadence.engine import copy_outcomes
+    from cadence.schedulers.dynamic import DynamicScheduler
+
+    tree = compile_tree([(0,), (0, 0)], name="c")
+    assert copy_outcomes(tree, [0, 1], {2: False}) == ((False, False),)
+    assert copy_outcomes(tree, [0], {2: False}) == ()
+    assert copy_outcomes(tree, [0, 1, 2], {1: False, 2: True}) == ((False, True), (True, True))
+
+    class AllCopies(HeadDrafter):  # flags every drafted node as a first copy
+        def draft_dynamic(self, *a, **kw):
+            d = super().draft_dynamic(*a, **kw)
+            d.copy_nodes = {i: False for i in range(1, d.tree.size)}
+            return d
+
+    bb = backbones["llama"]
+    prompt = PROMPTS[1]
+    ref = reference(bb, prompt, 32)
+    heads = oracle_heads(bb, "eagle", reference(bb, prompt), len(prompt))
+    sched = DynamicScheduler(DynamicTree(topk=2, max_nodes=4))
+    out = Engine(bb, AllCopies(heads), lambda s: sched).generate(prompt, GenerationConfig(max_new_tokens=32))
+    assert out.tokens == ref
+    judged = [c for s in out.stats.step_log for c in s.copies]
+    assert sum(ok for _, ok in judged) >= len(out.stats.step_log) - 1  # the oracle's path is accepted
+    assert any(not ok for _, ok in judged)  # its siblings are judged and rejected
+    assert sched.trust.n[0] == 4.0 + len(judged)

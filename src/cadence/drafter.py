@@ -50,6 +50,7 @@ class Draft:
     tokens: torch.Tensor  # (N+1,) long: node 0 is the root token
     q: torch.Tensor | None  # (N+1, V) distribution each node's children were drawn from (T > 0)
     tree: CompiledTree | None = None  # the tree actually filled, when nodes were dropped (else the one asked for)
+    copy_nodes: dict | None = None  # dynamic trees: node -> whether its parent is a copy too, for each context copy
 
 
 class Drafter(Protocol):

@@ -120,7 +120,8 @@ def to_draft(root: int, chosen: list[_Cand], device) -> Draft:
     """A ``Draft`` over the chosen candidates: paths of sibling ranks (by value), compiled,
     tokens in the compiled tree's node order (``compile_tree`` sorts paths by length, then
     ranks). Example: root 5, a (token 7) and b (token 8) under the root, c (token 9) under a,
-    values a > b -> paths (0,), (1,), (0, 0); tokens [5, 7, 8, 9]."""
+    values a > b -> paths (0,), (1,), (0, 0); tokens [5, 7, 8, 9]. ``Draft.copy_nodes`` maps each
+    context copy's node index to whether its parent is a copy too (a copied run)."""
     rank_path: dict[int, tuple[int, ...]] = {0: ()}
     kids: dict[int, int] = {}
     token_of: dict[tuple[int, ...], int] = {}
@@ -132,7 +133,10 @@ def to_draft(root: int, chosen: list[_Cand], device) -> Draft:
         token_of[path] = c.token
     tree: CompiledTree = compile_tree(list(token_of), name=f"dynamic-{len(chosen)}")
     tokens = [root] + [token_of[p] for p in tree.paths]
-    return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=None, tree=tree)
+    node = {p: i for i, p in enumerate(tree.paths, start=1)}
+    is_copy = {c.id: c.copy for c in chosen}
+    copies = {node[rank_path[c.id]]: is_copy.get(c.parent, False) for c in chosen if c.copy}
+    return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=None, tree=tree, copy_nodes=copies)
 
 
 @torch.inference_mode()

@@ -123,6 +123,16 @@ class Generation:
 
 
 ROOT_ONLY = compile_tree([], name="root")
+
+
+def copy_outcomes(tree: CompiledTree, path: list[int], copy_nodes: dict | None) -> tuple:
+    """(is a copied run, accepted) for each context copy of a dynamic tree whose parent was
+    accepted (the others were never judged). Example: chain root -> 1 -> 2, node 2 a copy
+    under a head node, path [0, 1] -> ((False, False),)."""
+    if not copy_nodes:
+        return ()
+    on = set(path)
+    return tuple((run, node in on) for node, run in copy_nodes.items() if tree.parents[node] in on)
 SHADOW_CHAIN = compile_tree([(0,)], name="shadow")  # the root and its top depth-1 candidate
 
 
@@ -140,6 +150,7 @@ class PendingStep:
     shadow_later: torch.Tensor | None = None  # (d,) copy of the root's state: a shadow draft by the heads,
     #                                          deferred to a batch (Plan.shadow_batch)
     rows: int = 1  # requests sharing the verify forward (set by a batched engine)
+    copy_nodes: dict | None = None  # dynamic trees: node -> parent is a copy too, for each context copy
 
 
 class Engine:
@@ -267,9 +278,9 @@ class Request:
         state = StepState(hidden=self.hidden, root_logits=self.root_logits, step=self.stats.steps,
                           new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
         plan = self._plan(state, remaining)
-        tree, tokens, q = self._draft(plan.tree, plan.dynamic, remaining)
+        tree, tokens, q, copy_nodes = self._draft(plan.tree, plan.dynamic, remaining)
         shadow, later = self._shadow(plan)
-        return PendingStep(state, plan, tree, tokens, q, t_step, shadow, later)
+        return PendingStep(state, plan, tree, tokens, q, t_step, shadow, later, copy_nodes=copy_nodes)
 
     def finish_step(self, job: "PendingStep", logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """Steps 4-5 for the verify forward's output over ``job.tree``'s N+1 nodes:
@@ -288,7 +299,8 @@ class Request:
         self.root = verdict.bonus
         committed = self._commit(tokens[verdict.path].tolist())
         shadows = self._judge_shadows(job, verdict.bonus)
-        self._record(job, tree, len(verdict.path) - 1, time.perf_counter() - job.t_step, shadows)
+        copies = copy_outcomes(tree, verdict.path, job.copy_nodes)
+        self._record(job, tree, len(verdict.path) - 1, time.perf_counter() - job.t_step, shadows, copies)
         return committed
 
     def _prefill(self) -> None:
@@ -349,7 +361,7 @@ class Request:
             if tok is not None or plan.shadow_batch <= 1:
                 return (tok if tok is not None else drafter.shadow_heads(self.hidden[None], [self.root])[0]), None
             return None, self.hidden.clone()
-        tree, tokens, _ = self._draft(SHADOW_CHAIN)
+        tree, tokens, _, _ = self._draft(SHADOW_CHAIN)
         return (int(tokens[1]) if tree.size == 2 else None), None
 
     def _judge_shadows(self, job: PendingStep, truth: int) -> tuple[bool, ...]:
@@ -369,23 +381,24 @@ class Request:
         return tuple(g == t for g, (_, _, t) in zip(guesses, rows))
 
     def _draft(self, tree, dynamic=None, remaining: int = 0):
-        """(tree that runs, its (N+1,) tokens, q or None): the drafter fills the tree;
-        nodes it could not fill are gone from the returned tree. ``dynamic``: a
+        """(tree that runs, its (N+1,) tokens, q or None, copy nodes or None): the drafter fills
+        the tree; nodes it could not fill are gone from the returned tree. ``dynamic``: a
         ``dynamic_tree.DynamicTree`` to grow instead, at T = 0 with head drafters (then
-        ``tree`` is ignored), at most ``remaining - 1`` levels deep."""
+        ``tree`` is ignored), at most ``remaining - 1`` levels deep; its context copies come
+        back as ``Draft.copy_nodes``."""
         bb = self.engine.backbone
         drafter = self.engine.drafter
         if dynamic is not None and self.sampling.greedy and hasattr(drafter, "draft_dynamic"):
             depth = min(drafter.max_depth(self.sampling), remaining - 1)
             draft = drafter.draft_dynamic(dynamic, self.root, self.hidden, self.context, depth,
                                           self.copies, self.draft_state)
-            return draft.tree, draft.tokens, None
+            return draft.tree, draft.tokens, None, draft.copy_nodes
         if tree.size == 1:
-            return tree, torch.tensor([self.root], device=bb.device), None
+            return tree, torch.tensor([self.root], device=bb.device), None, None
         extra = {"state": self.draft_state} if self.draft_state is not None else {}
         draft = self.engine.drafter.draft(tree, self.root, self.hidden, self.context, self.sampling,
                                           self.generator, self.copies, **extra)
-        return draft.tree or tree, draft.tokens, draft.q
+        return draft.tree or tree, draft.tokens, draft.q, None
 
     def _commit(self, committed: list[int], force_done: bool = False) -> list[int]:
         """Append ``committed`` up to the first EOS, the token budget or a stop string."""
@@ -403,7 +416,8 @@ class Request:
         self.done = done
         return committed
 
-    def _record(self, job: PendingStep, tree, accepted: int, seconds: float, shadows: tuple[bool, ...]) -> None:
+    def _record(self, job: PendingStep, tree, accepted: int, seconds: float, shadows: tuple[bool, ...],
+                copies: tuple = ()) -> None:
         state, plan = job.state, job.plan
         stats = self.stats
         stats.steps += 1
@@ -415,7 +429,7 @@ class Request:
         info = StepInfo(tree=tree.name, nodes=tree.size, accepted=accepted, seconds=seconds,
                         depth=tree.max_depth, planned=plan.tree.name, verified=plan.verify,
                         entropy=state.entropy if self.engine.trace_entropy or "entropy" in vars(state) else None,
-                        shadows=shadows, rows=job.rows)
+                        shadows=shadows, rows=job.rows, copies=copies)
         stats.step_log.append(info)
         if self.scheduler is not None:
             self.scheduler.observe(info)

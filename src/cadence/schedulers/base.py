@@ -67,6 +67,8 @@ class StepInfo:
     shadows: tuple[bool, ...] = ()  # verdicts of shadow drafts (Plan.shadow) judged in this step, this
     #                                 step's own or earlier ones of a batch: would each have been accepted?
     rows: int = 1  # requests that shared the verify forward (a batch): seconds are then not this step's own
+    copies: tuple[tuple[bool, bool], ...] = ()  # dynamic trees: (copied run, accepted) per context copy whose
+    #                                             parent was accepted
 
 
 class Scheduler(Protocol):

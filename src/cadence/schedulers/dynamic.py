@@ -1,32 +1,81 @@
-"""EAGLE-2's dynamic tree as a scheduler: every greedy step, the drafter grows the tree from
-its own confidence and the verify-latency curve of this machine cuts it (``dynamic_tree``).
+"""EAGLE-2's dynamic tree as a scheduler: every greedy step that speculates, the drafter grows
+the tree from its own confidence and the verify-latency curve of this machine cuts it
+(``dynamic_tree``).
 
-Lossless: only which drafts are verified changes. At T > 0 the request runs the static
-tree of ``--tree`` (a dynamic tree picks candidates by draft probability, not by drawing
-them from q, which lossless speculative sampling needs).
+*Whether* a step speculates is the ``adaptive`` scheduler's call (on calibrated heads): it
+runs the root alone, with shadow drafts, while this request's drafts do not pay (a
+translation), and tries again later; when it would speculate, the step's tree is the
+dynamic one instead of its static candidate. Its acceptance factors then measure the
+dynamic trees against the static candidate's calibrated reach, a proxy for how
+predictable the request is. Uncalibrated heads (no acceptance table or latency curve)
+speculate every step.
+
+Lossless: only which drafts are verified changes. At T > 0 the request runs what
+``adaptive`` (or ``--tree``) plans (a dynamic tree picks candidates by draft probability,
+not by drawing them from q, which lossless speculative sampling needs).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cadence.dynamic_tree import DynamicTree
 from cadence.errors import CadenceError
 from cadence.schedulers.base import Plan, StepInfo, StepState
-from cadence.schedulers.registry import register
+from cadence.schedulers.registry import entry, register
 from cadence.schedulers.static import StaticScheduler
 from cadence.trees import compile_tree
 
 MARK = compile_tree([], name="dynamic")  # the plan's nominal tree: the drafter grows the real one
 
 
+class CopyTrust:
+    """This request's estimate of how often a context copy is accepted (given its parent was),
+    first copies and copied runs apart: the spec's ``copy_conf`` / ``copy_run_conf`` are a
+    prior worth ``prior`` observations. Copies pay in a code listing that repeats itself and
+    hardly in an essay, so the value they get in the tree follows what this request shows.
+
+    Example: copy_conf 0.4, prior 4, then 6 first copies of which 0 accepted -> 1.6 / 10 = 0.16."""
+
+    def __init__(self, spec: DynamicTree, prior: float = 4.0):
+        self.base = spec
+        self.n = [prior, prior]  # observations of first copies, copied runs (prior included)
+        self.hits = [prior * spec.copy_conf, prior * spec.copy_run_conf]
+
+    def observe(self, copies) -> None:
+        for run, accepted in copies:
+            self.n[run] += 1
+            self.hits[run] += accepted
+
+    def spec(self) -> DynamicTree:
+        first, run = (max(h / n, 0.01) for h, n in zip(self.hits, self.n))
+        return replace(self.base, copy_conf=first, copy_run_conf=run)
+
+
 class DynamicScheduler:
     def __init__(self, spec: DynamicTree):
-        self.plan = Plan(MARK, dynamic=spec)
+        self.trust = CopyTrust(spec)
 
     def choose(self, state: StepState) -> Plan:
-        return self.plan
+        return Plan(MARK, dynamic=self.trust.spec())
 
     def observe(self, info: StepInfo) -> None:
-        pass
+        self.trust.observe(info.copies)
+
+
+class GatedDynamic:
+    """``adaptive`` decides whether to speculate; a speculating step drafts a dynamic tree."""
+
+    def __init__(self, gate, spec: DynamicTree):
+        self.gate, self.trust = gate, CopyTrust(spec)
+
+    def choose(self, state: StepState) -> Plan:
+        plan = self.gate.choose(state)
+        return replace(plan, dynamic=self.trust.spec()) if plan.tree.size > 1 else plan
+
+    def observe(self, info: StepInfo) -> None:
+        self.gate.observe(info)
+        self.trust.observe(info.copies)
 
 
 def dynamic_spec(ctx) -> DynamicTree:
@@ -45,10 +94,17 @@ def dynamic_spec(ctx) -> DynamicTree:
 
 
 @register("dynamic", lossy=False, help="EAGLE-2 dynamic tree: each greedy step's tree grown from the drafter's "
-                                       "confidence and cut by this machine's verify latency (lossless; "
-                                       "T > 0 runs --tree)")
+                                       "confidence and cut by this machine's verify latency; adaptive decides "
+                                       "when to speculate (lossless; T > 0 runs adaptive's trees)")
 def build_dynamic(ctx):
     spec = dynamic_spec(ctx)
-    policy = ctx.policy
-    return lambda sampling: (DynamicScheduler(spec) if sampling.greedy
-                             else StaticScheduler(policy.tree_for(sampling)))
+    gate = entry("adaptive").build(ctx)
+
+    def factory(sampling):
+        inner = gate(sampling)
+        if not sampling.greedy:
+            return inner
+        if isinstance(inner, StaticScheduler):  # uncalibrated heads: speculate every step
+            return DynamicScheduler(spec)
+        return GatedDynamic(inner, spec)
+    return factory
