@@ -63,7 +63,7 @@ class MethodSpec:
         "help": "heads with a draft vocabulary may also draft up to N of the request's own tokens "
                 "outside it, most recent first (names, numbers, loops; lossless); 0 = off"})
     scheduler: str = field(default="auto", metadata={
-        "help": "how much to speculate each step: auto (adaptive with --tree auto on calibrated heads, "
+        "help": "how much to speculate each step: auto (dynamic with --tree auto on calibrated heads, "
                 "else static), or one of `cadence.schedulers.registry.names()`: static (--tree), "
                 "adaptive, adaptive-k, entmtp, dynamic (lossless); lossy, opt-in: clp-unverified, confidence"})
     profile: str = field(default="general", metadata={
@@ -162,11 +162,12 @@ def _ngram_engine(backbone, spec: MethodSpec) -> Engine:
 
 
 def resolve_scheduler_name(spec: MethodSpec, heads) -> str:
-    """``auto`` -> ``adaptive`` for ``--tree auto`` on calibrated heads, else ``static``."""
+    """``auto`` -> ``dynamic`` (adaptive's gate + EAGLE-2 dynamic trees at T = 0, adaptive's
+    trees at T > 0) for ``--tree auto`` on calibrated heads, else ``static``."""
     if spec.scheduler != "auto":
         return spec.scheduler
     calibrated = heads.policy.calibrated
-    return "adaptive" if spec.tree == "auto" and calibrated and "adaptive" in registry.names() else "static"
+    return "dynamic" if spec.tree == "auto" and calibrated else "static"
 
 
 def _copy_depth(heads, spec: MethodSpec) -> int:
