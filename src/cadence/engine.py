@@ -16,7 +16,8 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
   1. stop here if committing ``root`` finishes the request (EOS / max tokens);
   2. plan = scheduler.choose(state); its tree is cut to what the drafter can fill
      (copies reach deeper than the heads, greedy only), to the tokens still allowed and
-     to the model's positions; the drafter fills it from (h, root). A root-alone plan
+     to the model's positions; the drafter fills it from (h, root) (a dynamic plan, T = 0:
+     the drafter grows the tree itself, ``dynamic_tree``). A root-alone plan
      may ask for a shadow draft (T = 0): the depth-1 top candidate is drafted (one head
      call, no verify cost) and, once the root's forward gives the true next token,
      the scheduler learns whether it would have been accepted; it is never committed
@@ -26,7 +27,7 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
   5. commit the accepted tokens (cut at EOS, the budget or a stop string), compact the
      cache to them, hand their hidden states to the drafter's per-request state (if it
      has one: attention heads), root <- bonus, h <- hidden state of the last accepted node;
-     scheduler.observe(step info).
+     scheduler.observe(step info) (with the verdicts on a dynamic tree's context copies).
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Generation:
 
 
 ROOT_ONLY = compile_tree([], name="root")
+SHADOW_CHAIN = compile_tree([(0,)], name="shadow")  # the root and its top depth-1 candidate
 
 
 def copy_outcomes(tree: CompiledTree, path: list[int], copy_nodes: dict | None) -> tuple:
@@ -133,7 +135,6 @@ def copy_outcomes(tree: CompiledTree, path: list[int], copy_nodes: dict | None) 
         return ()
     on = set(path)
     return tuple((run, node in on) for node, run in copy_nodes.items() if tree.parents[node] in on)
-SHADOW_CHAIN = compile_tree([(0,)], name="shadow")  # the root and its top depth-1 candidate
 
 
 @dataclass

@@ -46,10 +46,10 @@ class Plan:
     verify: bool = True  # False: commit the drafted chain without a verify pass (lossy, opt-in schedulers only)
     shadow: bool = False  # root-alone plans, T = 0: also draft the depth-1 top candidate, unverified and
     #                       never committed; whether it would have been accepted comes back in StepInfo.shadows
-    dynamic: object = None  # a ``dynamic_tree.DynamicTree``: at T = 0 the drafter grows the step's tree from its
-    #                         own confidence (EAGLE-2) instead of filling ``tree`` (lossless: verification is unchanged)
     shadow_batch: int = 1  # head-drafted shadows wait until this many are pending, then run as one head
     #                        call (cheaper per shadow, verdicts later); context copies are judged at once
+    dynamic: object = None  # a ``dynamic_tree.DynamicTree``: at T = 0 the drafter grows the step's tree from its
+    #                         own confidence (EAGLE-2) instead of filling ``tree`` (lossless: verification is unchanged)
 
 
 @dataclass
