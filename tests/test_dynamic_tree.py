@@ -233,3 +233,17 @@ def test_copy_outcomes_come_back_from_the_engine(backbones):
     assert sum(ok for _, ok in judged) >= len(out.stats.step_log) - 1  # the oracle's path is accepted
     assert any(not ok for _, ok in judged)  # its siblings are judged and rejected
     assert sched.trust.n[0] == 4.0 + len(judged)
+
+
+def test_eagle_drafts_past_k_with_dyn_depth_other_heads_stop_at_k(backbones):
+    bb = backbones["llama"]
+    prompt = PROMPTS[0]
+    ref = reference(bb, prompt)
+    heads = oracle_heads(bb, "eagle", ref, len(prompt))
+    out = dyn_engine(bb, heads, topk=2, max_nodes=8, depth=5).generate(prompt, GenerationConfig(max_new_tokens=48))
+    assert out.tokens == ref
+    assert max(s.depth for s in out.stats.step_log) == 5 and out.stats.tau > 4.5
+    hydra = new_heads("hydra", bb, 3, random=True, seed=1)
+    out = dyn_engine(bb, hydra, topk=2, max_nodes=8, depth=5).generate(prompt, GenerationConfig(max_new_tokens=24))
+    assert out.tokens == reference(bb, prompt, 24)
+    assert max(s.depth for s in out.stats.step_log) <= 3

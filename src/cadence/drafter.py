@@ -232,12 +232,13 @@ class HeadDrafter:
                         filled[child] = False
         return drop_unfilled(tree, tokens, filled, q, device)
 
-    def draft_dynamic(self, spec, root: int, hidden: torch.Tensor, context, max_depth: int,
+    def draft_dynamic(self, spec, root: int, hidden: torch.Tensor, context, limit: int,
                       copies: NgramIndex | None = None, state: DraftState | None = None) -> Draft:
         """An EAGLE-2 dynamic tree at T = 0 (``dynamic_tree.draft_dynamic``; ``spec`` a
-        ``DynamicTree``): the tree is chosen while drafting, ``Draft.tree`` says which."""
+        ``DynamicTree``), at most ``limit`` levels deep: the tree is chosen while drafting,
+        ``Draft.tree`` says which."""
         from cadence.dynamic_tree import draft_dynamic  # it builds on this module
-        return draft_dynamic(self, spec, root, hidden, context, max_depth, copies, state)
+        return draft_dynamic(self, spec, root, hidden, context, limit, copies, state)
 
     @torch.inference_mode()
     def shadow(self, root: int, hidden: torch.Tensor, context, copies: NgramIndex | None = None) -> int:

@@ -48,6 +48,7 @@ class DynamicTree:
 
     topk: int = 4  # children per expanded node and nodes expanded per level (EAGLE-2's top-k)
     max_nodes: int = 16  # most draft nodes verified per step (the root excluded)
+    depth: int = 0  # levels the heads draft (0: their K; heads with ``any_depth``, eagle, may go deeper)
     copy_conf: float = 0.4  # value of a context copy relative to its parent (at least; the head's own if higher)
     copy_run_conf: float = 0.7  # the same for a copy whose parent is a copy too (a copied run tends to go on)
     latency: Callable[[int], float] | None = None  # seconds to verify n nodes here (None: always max_nodes)
@@ -140,13 +141,23 @@ def to_draft(root: int, chosen: list[_Cand], device) -> Draft:
 
 
 @torch.inference_mode()
+def head_levels(drafter: HeadDrafter, spec: DynamicTree) -> int:
+    """Levels the heads draft: ``spec.depth`` for heads that serve any depth (eagle's one
+    layer), else at most their K. Example: eagle K = 3, depth 5 -> 5; hydra K = 3 -> 3."""
+    if spec.depth <= 0:
+        return drafter.num_heads
+    return spec.depth if getattr(drafter.heads, "any_depth", False) else min(spec.depth, drafter.num_heads)
+
+
 def draft_dynamic(drafter: HeadDrafter, spec: DynamicTree, root: int, hidden: torch.Tensor, context: list[int],
-                  max_depth: int, copies: NgramIndex | None = None, state: DraftState | None = None) -> Draft:
+                  limit: int, copies: NgramIndex | None = None, state: DraftState | None = None) -> Draft:
     """A dynamic tree drafted at T = 0 (module docstring). hidden: (d,) state that produced
-    ``root``; max_depth: the deepest level allowed (heads' K, deeper with copies; the engine
-    cuts it to the tokens left)."""
+    ``root``; limit: the deepest level the engine allows (the tokens left); the tree goes as
+    deep as the heads draft (``head_levels``) or, with copies, the drafter's copy depth."""
     t0 = time.perf_counter()
     heads, k = drafter.heads, spec.topk
+    levels = head_levels(drafter, spec)
+    max_depth = min(limit, max(levels, drafter.copy_depth if copies is not None else 0))
     device = hidden.device
     if copies is not None:
         copies.sync(list(context) + [root])
@@ -163,7 +174,7 @@ def draft_dynamic(drafter: HeadDrafter, spec: DynamicTree, root: int, hidden: to
     heads_on = True
     for depth in range(max_depth):  # frontier at `depth` -> candidates at depth + 1
         children: list[_Cand] = []
-        heads_on = heads_on and depth < drafter.num_heads and (
+        heads_on = heads_on and depth < levels and (
             depth == 0 or worth_a_level(frontier, cands, spec, time.perf_counter() - t0))
         if heads_on:
             children = _head_children(drafter, frontier, depth, state_of, ctx, extra, k, next_id=len(by_id))

@@ -390,8 +390,7 @@ class Request:
         bb = self.engine.backbone
         drafter = self.engine.drafter
         if dynamic is not None and self.sampling.greedy and hasattr(drafter, "draft_dynamic"):
-            depth = min(drafter.max_depth(self.sampling), remaining - 1)
-            draft = drafter.draft_dynamic(dynamic, self.root, self.hidden, self.context, depth,
+            draft = drafter.draft_dynamic(dynamic, self.root, self.hidden, self.context, remaining - 1,
                                           self.copies, self.draft_state)
             return draft.tree, draft.tokens, None, draft.copy_nodes
         if tree.size == 1:

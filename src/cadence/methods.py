@@ -78,6 +78,9 @@ class MethodSpec:
     dyn_nodes: int = field(default=16, metadata={
         "help": "dynamic scheduler: most draft nodes verified per step (fewer when this machine's verify "
                 "latency says they do not pay)"})
+    dyn_depth: int = field(default=0, metadata={
+        "help": "dynamic scheduler: levels the heads draft (0 = their K); eagle's layer serves any depth, "
+                "other heads stop at K"})
     copy_conf: float = field(default=0.4, metadata={
         "help": "dynamic scheduler: a context copy's value relative to its parent (at least; the heads' "
                 "probability when higher)"})

@@ -67,6 +67,7 @@ class EagleCache:
 
 class EagleHeads(DraftHeads):
     attends = True  # drafts need the per-request state (drafter.new_state / commit)
+    any_depth = True  # the same layers serve every depth: drafting may go past K (dynamic trees' --dyn-depth)
     regress_features = True  # features target the backbone's next hidden state (--feature-loss)
 
     def __init__(self, cfg: HeadConfig):

@@ -79,17 +79,19 @@ class GatedDynamic:
 
 
 def dynamic_spec(ctx) -> DynamicTree:
-    """The ``DynamicTree`` of the method spec (``--dyn-topk``, ``--dyn-nodes``, ``--copy-conf``,
+    """The ``DynamicTree`` of the method spec (``--dyn-topk``, ``--dyn-nodes``, ``--dyn-depth``, ``--copy-conf``,
     ``--copy-run-conf``)
     with this machine's verify latency and drafting cost from the tree policy."""
     s = ctx.spec
-    if s.dyn_topk < 1 or s.dyn_nodes < 1:
-        raise CadenceError(f"--dyn-topk and --dyn-nodes must be >= 1 (got {s.dyn_topk}, {s.dyn_nodes})")
+    if s.dyn_topk < 1 or s.dyn_nodes < 1 or s.dyn_depth < 0:
+        raise CadenceError(f"--dyn-topk and --dyn-nodes must be >= 1 and --dyn-depth >= 0 "
+                           f"(got {s.dyn_topk}, {s.dyn_nodes}, {s.dyn_depth})")
     for name, v in (("--copy-conf", s.copy_conf), ("--copy-run-conf", s.copy_run_conf)):
         if not 0.0 < v <= 1.0:
             raise CadenceError(f"{name} must be in (0, 1], got {v}")
     policy = ctx.policy
-    return DynamicTree(topk=s.dyn_topk, max_nodes=s.dyn_nodes, copy_conf=s.copy_conf, copy_run_conf=s.copy_run_conf,
+    return DynamicTree(topk=s.dyn_topk, max_nodes=s.dyn_nodes, depth=s.dyn_depth, copy_conf=s.copy_conf,
+                       copy_run_conf=s.copy_run_conf,
                        latency=policy.latency, level_s=policy.draft_s)
 
 
