@@ -177,6 +177,7 @@ def test_calibrated_heads_gate_speculation_through_adaptive(backbones):
     trees = [s.tree for s in out.stats.step_log]
     assert trees.count("root") > len(trees) // 2  # drafts that miss stop being paid for
     assert all(t == "root" or t.startswith("dynamic-") for t in trees)
+    assert {s.planned for s in out.stats.step_log} <= {"root", "dynamic"}
 
 
 def test_gated_oracle_heads_speculate_with_dynamic_trees(backbones):

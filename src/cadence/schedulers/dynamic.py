@@ -71,7 +71,10 @@ class GatedDynamic:
 
     def choose(self, state: StepState) -> Plan:
         plan = self.gate.choose(state)
-        return replace(plan, dynamic=self.trust.spec()) if plan.tree.size > 1 else plan
+        if plan.tree.size == 1:
+            return plan
+        # the gate's candidate, renamed: reports name the plan "dynamic", not a static tree that never runs
+        return replace(plan, tree=compile_tree(plan.tree.paths, name="dynamic"), dynamic=self.trust.spec())
 
     def observe(self, info: StepInfo) -> None:
         self.gate.observe(info)
