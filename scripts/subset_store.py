@@ -4,9 +4,11 @@ hidden cache (rebuilding the cache for the whole store takes hours on 2 cores).
 Writes OUT/manifest.json (the store's manifest with the chosen shards) and symlinks to the
 shards, so ``cadence train --data OUT`` reads only those. Keeps every val shard (held-out
 numbers stay comparable with runs on the whole store) and, of the train shards, the first
-``--first`` and every ``--every``-th (an even spread over the store's sources and ages).
+``--first`` and every ``--every``-th (an even spread over the store's sources and ages), or
+with ``--since N`` the train shards from the N-th on (those a shipped drafter never saw).
 
 Usage (session 16): python scripts/subset_store.py data/selfdistill/smollm2 runs/s16/sub --every 8 --first 2
+Usage (session 18): python scripts/subset_store.py data/selfdistill/smollm2 runs/s18/new --since 109
 """
 
 import argparse
@@ -21,11 +23,16 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--every", type=int, default=8, help="keep every N-th train shard")
     ap.add_argument("--first", type=int, default=0, help="and the first N train shards")
+    ap.add_argument("--since", type=int, default=None,
+                    help="keep only the train shards from the N-th on (overrides --every / --first)")
     args = ap.parse_args()
     src, out = Path(args.store).resolve(), Path(args.out)
     m = json.loads((src / "manifest.json").read_text())
     train = [s["file"] for s in m["shards"] if s.get("split", "train") == "train"]
-    keep = set(train[:args.first]) | set(train[::max(1, args.every)])
+    if args.since is not None:
+        keep = set(train[args.since:])
+    else:
+        keep = set(train[:args.first]) | set(train[::max(1, args.every)])
     keep |= {s["file"] for s in m["shards"] if s.get("split") == "val"}
     out.mkdir(parents=True, exist_ok=True)
     for name in keep:

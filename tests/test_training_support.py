@@ -97,6 +97,9 @@ def cli_args(cfg) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(val, bool):
             args.append(flag if val else "--no-" + flag[2:])
+        elif isinstance(val, (tuple, list)):
+            if val:
+                args += [flag, *map(str, val)]
         else:
             args += [flag, str(val)]
     return args

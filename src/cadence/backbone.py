@@ -160,12 +160,22 @@ def _additive_mask(tree_mask: torch.Tensor, past: int, dtype: torch.dtype, devic
     return out[None, None]
 
 
+def check_taps(taps, num_layers: int) -> None:
+    """Taps name decoder layers 1 .. num_layers - 1 (the last layer's output is ``hidden``,
+    after the final norm), strictly increasing."""
+    if any(not isinstance(j, int) or j < 1 or j >= num_layers for j in taps) or list(taps) != sorted(set(taps)):
+        raise CadenceError(f"taps {list(taps)} must be increasing decoder layers between 1 and {num_layers - 1}")
+
+
 @dataclass
 class ForwardOut:
     """Result of one backbone forward over n new positions."""
 
     hidden: torch.Tensor  # (batch, n, d_model) last layer, after the final norm
     logits: torch.Tensor  # (batch, n, vocab) float32
+    # (batch, n, len(taps), d_model): the residual stream after decoder layer j (1-based) for each
+    # requested tap j, unnormed; None when no taps were asked for (EAGLE-3-style drafter inputs)
+    taps: torch.Tensor | None = None
 
 
 class Backbone(nn.Module):
@@ -236,7 +246,8 @@ class Backbone(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: HFCache | None = None,
                 position_ids: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                need_logits: bool = True, attention_mask: torch.Tensor | None = None) -> ForwardOut:
+                need_logits: bool = True, attention_mask: torch.Tensor | None = None,
+                taps: tuple[int, ...] = ()) -> ForwardOut:
         """One forward of new tokens on top of ``cache`` (mutated in place).
 
         input_ids: (batch, n). position_ids: (batch, n) absolute positions, or None for
@@ -244,16 +255,20 @@ class Backbone(nn.Module):
         True where new token i may attend new token j; every new token sees the whole cache.
         attention_mask: (batch, n) 1/0 padding mask for batched full-sequence forwards
         without a cache (training, distillation); not combined with ``tree_mask``.
+        taps: decoder layers (1-based) whose outputs come back in ``ForwardOut.taps``
+        (``check_taps``); e.g. (3, 15) on a 30-layer model: after the 3rd and the 15th layer.
         """
+        check_taps(taps, self.config.num_hidden_layers)
         past = cache.length() if cache is not None else 0
         if tree_mask is not None:
             attention_mask = _additive_mask(tree_mask, past, self.dtype, self.device)
         kwargs = {self._cache_kwarg: cache.hf} if cache is not None else {}
         out = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                               use_cache=cache is not None, **kwargs)
+                               use_cache=cache is not None, output_hidden_states=bool(taps), **kwargs)
         hidden = out.last_hidden_state
         logits = self.logits(hidden) if need_logits else None
-        return ForwardOut(hidden=hidden, logits=logits)
+        tapped = torch.stack([out.hidden_states[j] for j in taps], dim=2) if taps else None
+        return ForwardOut(hidden=hidden, logits=logits, taps=tapped)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on hidden states (..., d_model) -> float32 logits (..., vocab)."""

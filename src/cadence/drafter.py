@@ -31,6 +31,7 @@ import torch
 
 from cadence.context_copy import CopyConfig, NgramIndex, copy_after, merge_candidates
 from cadence.context_vocab import ContextVocabs
+from cadence.errors import CadenceError
 from cadence.sampling import SamplingParams, categorical, probs
 from cadence.trees import CompiledTree, compile_tree
 
@@ -120,6 +121,9 @@ class HeadDrafter:
     """
 
     def __init__(self, heads, copy: CopyConfig | None = None, copy_depth: int = 0, context_vocab: int = 0):
+        if getattr(heads.cfg, "taps", None):
+            raise CadenceError(f"eagle heads reading backbone taps {heads.cfg.taps} cannot draft yet (the "
+                               "engine's verify pass does not tap the backbone): training and evaluation only")
         self.heads = heads
         self.num_heads = heads.K
         self.vocab_size = heads.cfg.vocab_size

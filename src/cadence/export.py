@@ -141,6 +141,10 @@ def export_heads(heads_dir: str | Path, fmt: str, out: str | Path, backbone_conf
         raise CadenceError(f"{heads_dir} holds {cfg.kind} heads; --format {fmt} needs {KIND_OF[fmt]} heads. "
                            "Exportable: eagle (vllm-eagle, sglang-eagle) and medusa (vllm-medusa); mtp / "
                            "mtp-attn / hydra heads of cadence have no vLLM / SGLang loader that matches them")
+    if cfg.taps:
+        raise CadenceError(f"{heads_dir} is an eagle drafter that reads backbone taps {cfg.taps} (fc over "
+                           f"{2 + len(cfg.taps)}x hidden); vLLM's and SGLang's llama_eagle take [embedding ; "
+                           "hidden] only, and their EAGLE-3 drafters are a different layer: not exportable")
     if fmt == "vllm-medusa" and lm_weight is None:
         raise CadenceError("--format vllm-medusa writes the backbone's LM head: pass the backbone (--model)")
     if lm_weight is not None and tuple(lm_weight.shape) != (cfg.vocab_size, cfg.hidden_size):

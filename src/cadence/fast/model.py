@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cadence.backbone import Backbone, ForwardOut
+from cadence.backbone import Backbone, ForwardOut, check_taps
 from cadence.errors import CadenceError
 from cadence.fast import QUANTS, arch, consistent, native, rope
 from cadence.fast.cache import BatchKVCache, StaticKVCache
@@ -347,9 +347,12 @@ class FastBackbone(Backbone):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: StaticKVCache | None = None,
                 position_ids: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                need_logits: bool = True, attention_mask: torch.Tensor | None = None) -> ForwardOut:
+                need_logits: bool = True, attention_mask: torch.Tensor | None = None,
+                taps: tuple[int, ...] = ()) -> ForwardOut:
         """Same contract as ``Backbone.forward``; ``cache`` must come from ``new_cache``.
-        attention_mask: (batch, n) 1/0 padding mask, only for cache-free causal forwards."""
+        attention_mask: (batch, n) 1/0 padding mask, only for cache-free causal forwards.
+        taps: as ``Backbone.forward``; a tapped forward runs the Python layer loop (same
+        kernels as the C++ loop) and only without a tree (hidden-cache builds, prefills)."""
         if cache is not None and not isinstance(cache, StaticKVCache):
             raise CadenceError("FastBackbone.forward needs a cache from its own new_cache()")
         if attention_mask is not None and (cache is not None or tree_mask is not None):
@@ -357,8 +360,12 @@ class FastBackbone(Backbone):
         # the frozen backbone computes in its own dtype, also inside a caller's autocast
         # (training under bf16 autocast): packed kernels take the weights' dtype only
         with torch.autocast(self.device.type, enabled=False):
-            hidden = self.hidden_states(input_ids, cache, position_ids, tree_mask, attention_mask)
-            return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None)
+            if taps:
+                check_taps(taps, self.spec.layers)
+                if tree_mask is not None:
+                    raise CadenceError("a tapped forward takes no tree mask (tree verification does not tap yet)")
+            hidden, tapped = self._states(input_ids, cache, position_ids, tree_mask, attention_mask, tuple(taps))
+            return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None, taps=tapped)
 
     def _mask(self, n: int, past: int, tree_mask, cached: bool, keys: int | None = None):
         """One (n, past + n) bool mask for every layer, or None when none is needed.
@@ -382,12 +389,16 @@ class FastBackbone(Backbone):
         return allowed | torch.eye(n, dtype=torch.bool, device=self.device)
 
     def hidden_states(self, input_ids, cache, position_ids, tree_mask, pad=None) -> torch.Tensor:
+        return self._states(input_ids, cache, position_ids, tree_mask, pad)[0]
+
+    def _states(self, input_ids, cache, position_ids, tree_mask, pad=None, taps: tuple[int, ...] = ()):
+        """(hidden (b, n, d), taps (b, n, len(taps), d) or None)."""
         b, n = input_ids.shape
         past = cache.length() if cache is not None else 0
         real = n  # rows asked for; a row-consistent forward pads fewer to MIN_QUERIES up front
         given_tree = tree_mask is not None  # no mask = a chain: no layout check, padded or not
-        if cache is not None and (past > 0 or tree_mask is not None) and self.listed:  # decode or verify
-            return self._listed_forward(input_ids, cache, position_ids, tree_mask)
+        if cache is not None and (past > 0 or tree_mask is not None) and self.listed and not taps:  # decode/verify
+            return self._listed_forward(input_ids, cache, position_ids, tree_mask), None
         if (self.pad_up_front and cache is not None and (past > 0 or tree_mask is not None)
                 and n < consistent.MIN_QUERIES):
             if position_ids is None:
@@ -423,17 +434,17 @@ class FastBackbone(Backbone):
             ancestors = [row.nonzero().flatten().tolist() for row in tree_mask[:real].to(torch.bool)]
             if not consistent.is_laid_out(ancestors):  # a branching tree: paths in decoding's slots
                 paths = consistent.PathAttention(cache.k, cache.v, past, ancestors, cache.max_positions)
-        x = None
-        if paths is None and (groups is None or len(groups) == 1):
+        x, tapped = None, [] if taps else None
+        if paths is None and (groups is None or len(groups) == 1) and not taps:
             x = self._native_forward(input_ids, cos, sin, cache, past, groups[0][1] if groups else keys, mask,
                                      causal, steady)
         if x is None:
             attention = self._path_attention(paths) if paths is not None else \
                 self._attention(store, mask, causal, groups)  # same positions, so the keys reserved above
-            x = self._layers_forward(input_ids, cos, sin, attention)
+            x = self._layers_forward(input_ids, cos, sin, attention, taps, tapped)
         if cache is not None:
             cache.advance(real)
-        return x[:, :real]
+        return x[:, :real], (torch.stack(tapped, dim=2)[:, :real] if taps else None)
 
     @property
     def listed(self) -> bool:
@@ -568,12 +579,15 @@ class FastBackbone(Backbone):
         gqa = self.spec.heads != self.spec.kv_heads
         return lambda i, q, k, v: paths(i, q, k, v, gqa)
 
-    def _layers_forward(self, input_ids, cos, sin, attend) -> torch.Tensor:
+    def _layers_forward(self, input_ids, cos, sin, attend, taps: tuple[int, ...] = (),
+                        tapped: list | None = None) -> torch.Tensor:
         """Embedding, decoder layers and final norm -> (b, n, d); ``attend(layer, q, k, v)``
-        (``_attention``) gives each layer's attention output (b, heads, n, head_dim)."""
+        (``_attention``) gives each layer's attention output (b, heads, n, head_dim). With
+        ``taps``, the Python loop runs and appends the residual stream after each tapped layer
+        (1-based) to ``tapped``."""
         s = self.spec
         self._resolve_native()
-        if self._native:  # the C++ loop, calling ``attend`` back for each layer's attention
+        if self._native and not taps:  # the C++ loop, calling ``attend`` back for each layer's attention
             blocked = bool(self._blockable) and self._blockable[0].max_rows > 0  # as ``_block_rows`` left them
             return self._native.forward(input_ids.to(self.device), cos, sin, None, None, 0, 0, None, False, False, 0,
                                         blocked, attend, None)
@@ -597,4 +611,6 @@ class FastBackbone(Backbone):
             gu = layer.gate_up(h)
             g, u = gu.chunk(2, dim=-1)
             x = x + layer.down(F.silu(g) * u)
+            if i + 1 in taps:
+                tapped.append(x)
         return self._norm(x, self.final_norm)

@@ -18,7 +18,7 @@ The backbone's embedding and LM head are shared and frozen; they are bound with
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -46,9 +46,15 @@ class HeadConfig:
     intermediate_size: int = 0
     rope_theta: float = 10000.0
     num_layers: int = 1  # eagle: decoder layers in the drafter (1 = EAGLE-1; more run in sequence)
+    # eagle: backbone decoder layers (1-based) whose outputs the drafter also reads at level 1,
+    # EAGLE-3-style feature fusion; [] = the last layer's state only (EAGLE-1)
+    taps: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["taps"]:  # added later: configs without taps stay as they were
+            d.pop("taps")
+        return d
 
 
 class ResBlock(nn.Module):

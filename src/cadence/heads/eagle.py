@@ -14,6 +14,14 @@ context (root's entry included, it is always committed), its ancestors' entries 
 itself (a tree mask over the draft's own entries). The same layer serves every depth; K
 (``num_heads``) is only how deep the drafter goes.
 
+**Taps** (``HeadConfig.taps``, EAGLE-3's feature fusion grafted onto this layout): the
+level-1 entry also reads the backbone's residual stream after some decoder layers, each
+RMS-normalised (no weight): ``fc[ E(x_{j+1}) ; h_j ; rms(l_j^1) ; ... ]``. Deeper levels have
+no backbone states, so their tap slots are zeros (the drafter's own f stands in for h, as
+in EAGLE-1). ``add_taps`` grows a trained drafter by zero columns, so it starts drafting
+exactly what it drafted. So far taps are trained and evaluated only: decoding needs the
+backbone's verify pass to tap its layers too, and vLLM's ``llama_eagle`` has no such input.
+
 Layout follows vLLM's ``llama_eagle`` (and SGLang's) so ``cadence export`` can hand the
 weights over unchanged: ``fc`` takes ``[embedding ; hidden]`` in that order, layer 0 has no
 input RMSNorm, and no norm follows the layer (features go straight to the shared LM head;
@@ -75,10 +83,10 @@ class EagleHeads(DraftHeads):
         if not cfg.num_attention_heads:
             raise CadenceError("eagle heads need the attention shape (num_attention_heads, ...) in their config")
         d = cfg.hidden_size
-        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.fc = nn.Linear((2 + len(cfg.taps)) * d, d, bias=False)
         with torch.no_grad():  # start as "pass h through": f = h, drafts = the backbone's own guess at t
             self.fc.weight.zero_()
-            self.fc.weight[:, d:] = torch.eye(d)
+            self.fc.weight[:, d:2 * d] = torch.eye(d)
         if cfg.num_layers < 1:
             raise CadenceError(f"eagle heads need at least one layer (num_layers {cfg.num_layers})")
         s = shape_from_config(cfg)
@@ -93,14 +101,39 @@ class EagleHeads(DraftHeads):
         self.cfg.num_layers = len(self.layers)
         return self
 
-    def _input(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([self.embed(tokens), feats.to(self._param_dtype())], dim=-1)
+    def add_taps(self, taps: list[int]) -> "EagleHeads":
+        """Read the backbone's layers ``taps`` too: ``fc`` gains zero columns for them, so the
+        drafts are unchanged until they are trained."""
+        if self.cfg.taps:
+            raise CadenceError(f"these eagle heads already read taps {self.cfg.taps}")
+        old = self.fc.weight.detach()
+        self.fc = nn.Linear((2 + len(taps)) * self.cfg.hidden_size, self.cfg.hidden_size, bias=False).to(
+            old.device, old.dtype)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :old.shape[1]] = old
+        self.cfg.taps = list(taps)
+        return self
+
+    def _input(self, tokens: torch.Tensor, feats: torch.Tensor, taps: torch.Tensor | None = None) -> torch.Tensor:
+        """fc over [E(tokens) ; feats (..., d) ; taps (..., n_taps, d) normalised, or zeros]."""
+        dt = self._param_dtype()
+        parts = [self.embed(tokens), feats.to(dt)]
+        n = len(self.cfg.taps)
+        if n:
+            if taps is None:  # a deeper level: no backbone states to read
+                parts.append(feats.new_zeros(*feats.shape[:-1], n * feats.shape[-1], dtype=dt))
+            else:
+                t = nn.functional.rms_norm(taps.float(), (taps.shape[-1],), eps=self.cfg.rms_eps)
+                parts.append(t.flatten(-2).to(dt))
+        x = torch.cat(parts, dim=-1)
         kern = None if torch.is_grad_enabled() else packed(self, {"fc": [self.fc]})  # drafting
         return kern["fc"](x) if kern is not None else self.fc(x)
 
     # ------------------------------------------------------------------ training
-    def train_features(self, hidden, ids, seg=None):
+    def train_features(self, hidden, ids, seg=None, taps=None):
         """Depth k at position t: f_k[t] (predicts x_{t+1+k}); list of (B, T-1-k, d).
+        taps: (B, T, n_taps, d), the backbone's tapped layers (heads with ``cfg.taps``).
 
         Level m's entry of chain t sits at position t+m-1 and reads x_{t+m}; beyond the row
         end the token is padding (those positions never reach the loss). Example, T = 5,
@@ -108,11 +141,13 @@ class EagleHeads(DraftHeads):
         level 2 entry of chain t reads f_1[t] and x_{t+2}, depth 2 returns t = 0..1."""
         B, T = ids.shape
         L = T - 1
+        if self.cfg.taps and taps is None:
+            raise CadenceError(f"these eagle heads read backbone taps {self.cfg.taps}: train them with those taps")
         h = hidden[:, :L].to(self._param_dtype())
         pos = torch.arange(L, device=ids.device).expand(B, L)
         seg = torch.zeros_like(ids) if seg is None else seg
         mask1 = segment_causal(seg[:, :L])
-        f = self._input(ids[:, 1:], h)
+        f = self._input(ids[:, 1:], h, taps[:, :L] if self.cfg.taps else None)
         k1, v1 = [], []  # per layer: level-1 keys / values (B, L, G, D)
         for layer in self.layers:
             f, k, v = layer.forward_masked(f, pos, mask1)
@@ -139,6 +174,9 @@ class EagleHeads(DraftHeads):
         .. t (the backbone states not consumed yet). Entry j = (x_{j+1}, h_j), so the root's
         entry (x_{t+1}, h_t) is the last one added. Example: cache.end 10, t = 12 -> pending
         holds h_10..h_12 and entries 10, 11, 12 are added (tokens x_11, x_12, root)."""
+        if self.cfg.taps:
+            raise CadenceError(f"eagle heads reading backbone taps {self.cfg.taps} cannot draft yet "
+                               "(the engine's verify pass does not tap the backbone): training and evaluation only")
         t = len(seq) - 2
         m = pending.shape[0]
         if cache.end + m != t + 1:

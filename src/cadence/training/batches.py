@@ -134,15 +134,18 @@ def pack(segs: list[Segment], max_len: int, seed: int | None = 0) -> list[list[S
 class RowDataset(Dataset):
     """Packed rows as dicts of tensors; features from the hidden cache when one is given.
 
-    Keys: ids, seg, reply (T,); with a cache: hidden (T, d), argmax (T,), boundary (T,);
-    with ``topk``: topk_ids, topk_logits (T, k), topk_ok (T,); without a cache:
-    ``prefixes``, the token prefixes the backbone must run over.
+    Keys: ids, seg, reply (T,); with a cache: hidden (T, d), argmax (T,), boundary (T,),
+    and with ``taps`` taps (T, n_taps, d); with ``topk``: topk_ids, topk_logits (T, k),
+    topk_ok (T,); without a cache: ``prefixes``, the token prefixes the backbone must run over.
     """
 
     def __init__(self, corpus: Corpus, rows: list[list[Segment]], cache=None, need_argmax: bool = False,
-                 boundary: tuple[int, float] | None = None, topk: bool = False):
+                 boundary: tuple[int, float] | None = None, topk: bool = False, taps: tuple[int, ...] = ()):
         self.corpus, self.rows, self.cache = corpus, rows, cache
         self.need_argmax, self.boundary, self.topk = need_argmax, boundary, topk
+        self.taps = tuple(taps)
+        if cache is not None and self.taps:
+            self.tap_index = cache.tap_index(self.taps)  # columns of the cache's taps array, in order
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -156,6 +159,8 @@ class RowDataset(Dataset):
         item: dict = {"ids": ids, "seg": seg, "reply": reply}
         if self.cache is not None:
             item["hidden"] = torch.zeros(T, self.cache.hidden_size, dtype=self.cache.dtype)
+            if self.taps:
+                item["taps"] = torch.zeros(T, len(self.taps), self.cache.hidden_size, dtype=self.cache.dtype)
             if self.need_argmax:
                 item["argmax"] = torch.zeros(T, dtype=torch.long)
             if self.boundary is not None:
@@ -177,6 +182,9 @@ class RowDataset(Dataset):
             if self.cache is not None:
                 name = self.corpus.files[ref.shard]
                 item["hidden"][p:p + sg.length] = self.cache.read(name, "hidden", ref.offset + a, ref.offset + b)
+                if self.taps:
+                    got = self.cache.read(name, "taps", ref.offset + a, ref.offset + b)  # (n, cached taps, d)
+                    item["taps"][p:p + sg.length] = got[:, self.tap_index[name]]
                 if self.need_argmax:
                     item["argmax"][p:p + sg.length] = self.cache.read(name, "argmax", ref.offset + a,
                                                                       ref.offset + b).long()
@@ -218,9 +226,10 @@ def collate(items: list[dict]) -> dict:
 
 @torch.inference_mode()
 def sequence_features(backbone, seqs: list[torch.Tensor], want_entropy: bool, want_argmax: bool,
-                      chunk: int = STATS_CHUNK) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+                      chunk: int = STATS_CHUNK, taps: tuple[int, ...] = ()) -> list[tuple]:
     """Run the backbone over whole sequences (one right-padded batch): per sequence
-    (hidden (L, d), entropy (L,) or None, argmax (L,) or None), on the backbone's device."""
+    (hidden (L, d), entropy (L,) or None, argmax (L,) or None, taps (L, n_taps, d) or None),
+    on the backbone's device."""
     dev = backbone.device
     width = max(s.numel() for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -228,23 +237,24 @@ def sequence_features(backbone, seqs: list[torch.Tensor], want_entropy: bool, wa
     for i, s in enumerate(seqs):
         ids[i, :s.numel()] = s
         mask[i, :s.numel()] = 1
-    hidden = backbone(ids.to(dev), attention_mask=mask.to(dev), need_logits=False).hidden
+    fwd = backbone(ids.to(dev), attention_mask=mask.to(dev), need_logits=False, **({"taps": taps} if taps else {}))
     out = []
     for i, s in enumerate(seqs):
-        h = hidden[i, :s.numel()]
+        h = fwd.hidden[i, :s.numel()]
         ent, arg = (logits_stats(backbone.logits, h, chunk, want_entropy, want_argmax)
                     if (want_entropy or want_argmax) else (None, None))
-        out.append((h, ent, arg))
+        out.append((h, ent, arg, fwd.taps[i, :s.numel()] if taps else None))
     return out
 
 
 def to_batch(raw: dict, device, backbone=None, need_argmax: bool = False,
-             boundary: tuple[int, float] | None = None, max_seqs: int = 16) -> Batch:
-    """A collated row dict -> ``Batch`` on ``device``; without a cache, runs the backbone."""
+             boundary: tuple[int, float] | None = None, max_seqs: int = 16, taps: tuple[int, ...] = ()) -> Batch:
+    """A collated row dict -> ``Batch`` on ``device``; without a cache, runs the backbone
+    (tapping ``taps`` when the heads read them)."""
     mv = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in raw.items()}
     batch = Batch(ids=mv["ids"], seg=mv["seg"], reply=mv["reply"], hidden=mv.get("hidden"),
                   argmax=mv.get("argmax"), boundary=mv.get("boundary"), topk_ids=mv.get("topk_ids"),
-                  topk_logits=mv.get("topk_logits"), topk_ok=mv.get("topk_ok"))
+                  topk_logits=mv.get("topk_logits"), topk_ok=mv.get("topk_ok"), taps=mv.get("taps"))
     if "prefixes" in raw:
         if backbone is None:
             raise CadenceError("no hidden cache and no backbone to compute hidden states")
@@ -254,13 +264,18 @@ def to_batch(raw: dict, device, backbone=None, need_argmax: bool = False,
             batch.argmax = torch.zeros(B, T, dtype=torch.long, device=device)
         if boundary is not None:
             batch.boundary = torch.zeros(B, T, dtype=torch.bool, device=device)
+        if taps:
+            batch.taps = torch.zeros(B, T, len(taps), backbone.hidden_size, dtype=backbone.dtype, device=device)
         pre = sorted(raw["prefixes"], key=lambda x: x[0].numel())  # similar lengths share a forward
         for i in range(0, len(pre), max_seqs):
             group = pre[i:i + max_seqs]
-            feats = sequence_features(backbone, [g[0] for g in group], boundary is not None, need_argmax)
-            for (toks, a, b, p), (h, ent, arg) in zip(group, feats):
+            feats = sequence_features(backbone, [g[0] for g in group], boundary is not None, need_argmax,
+                                      taps=taps)
+            for (toks, a, b, p), (h, ent, arg, tp) in zip(group, feats):
                 n = toks.numel() - a
                 batch.hidden[b, p:p + n] = h[a:]
+                if taps:
+                    batch.taps[b, p:p + n] = tp[a:]
                 if need_argmax:
                     batch.argmax[b, p:p + n] = arg[a:]
                 if boundary is not None:

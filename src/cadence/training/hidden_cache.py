@@ -7,11 +7,15 @@ head. Per data shard ``shard-XXXXX.safetensors`` the cache holds a file of the s
     hidden   (N, d)  bfloat16 (or float16/float32)  last-layer state after each token
     entropy  (N,)    float32   backbone entropy (nats) at each position (for AdaMTP)
     argmax   (N,)    int32     backbone argmax at each position (target 'backbone')
+    taps     (N, n, d)         optional: the residual stream after decoder layers ``taps``
+                               (1-based, listed per shard in cache.json) for drafters that
+                               read them (``HeadConfig.taps``)
 
 aligned with the shard's flat ``tokens``. ``cache.json`` records the backbone (name and a
 fingerprint of its weights), the data manifest's config, and per shard its token count and
-a checksum of its tokens. Opening the cache with another backbone, or for other data, is a
-CadenceError. Shards are added incrementally (the data set may grow): each cache file and
+a checksum of its tokens (and the taps its file holds). Opening the cache with another
+backbone, or for other data, or asking for taps a shard lacks, is a CadenceError; building
+with taps a shard lacks recomputes that shard's file with them (its earlier taps kept). Shards are added incrementally (the data set may grow): each cache file and
 ``cache.json`` are written atomically, so an interrupted build resumes where it stopped.
 """
 
@@ -72,6 +76,16 @@ class HiddenCache:
             self._handles[shard] = f
         return f.get_slice(key)[a:b]
 
+    def tap_index(self, taps: tuple[int, ...]) -> dict[str, list[int]]:
+        """Per shard, the columns of its ``taps`` array holding ``taps`` in that order.
+        Example: a shard cached with taps [3, 9, 15] and taps (3, 15) -> [0, 2]."""
+        out = {}
+        for name, entry in self.meta["shards"].items():
+            have = entry.get("taps", [])
+            if all(j in have for j in taps):
+                out[name] = [have.index(j) for j in taps]
+        return out
+
     def __getstate__(self):  # DataLoader workers reopen their own handles
         return {**self.__dict__, "_handles": {}}
 
@@ -100,8 +114,9 @@ def _check(meta: dict, directory: Path, backbone, fingerprint: str, data_config:
                            "use another --cache-hidden directory")
 
 
-def open_cache(directory: str | Path, backbone, data_dir: str | Path, files: list[str]) -> HiddenCache:
-    """Open an existing cache, checking backbone, data and that it covers ``files``."""
+def open_cache(directory: str | Path, backbone, data_dir: str | Path, files: list[str],
+               taps: tuple[int, ...] = ()) -> HiddenCache:
+    """Open an existing cache, checking backbone, data and that it covers ``files`` (with ``taps``)."""
     directory, data_dir = Path(directory), Path(data_dir)
     meta = _read_meta(directory)
     if meta is None:
@@ -113,12 +128,18 @@ def open_cache(directory: str | Path, backbone, data_dir: str | Path, files: lis
     missing = [f for f in files if f not in meta["shards"]]
     if missing:
         raise CadenceError(f"hidden cache {directory} lacks {len(missing)} shard(s), e.g. {missing[0]}")
+    untapped = [f for f in files if not set(taps) <= set(meta["shards"][f].get("taps", []))]
+    if untapped:
+        raise CadenceError(f"hidden cache {directory} lacks taps {list(taps)} for {len(untapped)} shard(s), "
+                           f"e.g. {untapped[0]}; build it with them (cadence train --cache-only --taps ...)")
     return HiddenCache(directory, meta)
 
 
 def build_cache(directory: str | Path, backbone, data_dir: str | Path, files: list[str] | None = None,
-                dtype: str = "bfloat16", batch_size: int = 8, progress: bool = True) -> HiddenCache:
-    """Create or extend the cache for ``files`` (default: every shard in the manifest)."""
+                dtype: str = "bfloat16", batch_size: int = 8, progress: bool = True,
+                taps: tuple[int, ...] = ()) -> HiddenCache:
+    """Create or extend the cache for ``files`` (default: every shard in the manifest), each
+    shard's file holding at least ``taps``."""
     directory, data_dir = Path(directory), Path(data_dir)
     if dtype not in DTYPES:
         raise CadenceError(f"unknown cache dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -138,7 +159,7 @@ def build_cache(directory: str | Path, backbone, data_dir: str | Path, files: li
         _check(meta, directory, backbone, fp, manifest["config"])
     from cadence.training.batches import sequence_features
 
-    todo = []
+    todo = []  # (shard, its data, the taps its new file holds)
     for name in files:
         data = read_shard(data_dir / name)
         entry = meta["shards"].get(name)
@@ -146,33 +167,40 @@ def build_cache(directory: str | Path, backbone, data_dir: str | Path, files: li
             if entry["checksum"] != tokens_checksum(data["tokens"]):
                 raise CadenceError(f"{data_dir / name} changed since the hidden cache {directory} was made; "
                                    "use another --cache-hidden directory")
-            continue
-        todo.append((name, data))
+            if set(taps) <= set(entry.get("taps", [])):
+                continue
+        todo.append((name, data, tuple(sorted(set(taps) | set((entry or {}).get("taps", []))))))
     if not todo:
         return HiddenCache(directory, meta)
-    n_tok = sum(int(d["tokens"].numel()) for _, d in todo)
+    n_tok = sum(int(d["tokens"].numel()) for _, d, _ in todo)
     bar = tqdm(total=n_tok, desc="cache hidden", unit="tok", disable=not progress)
-    for name, data in todo:
+    for name, data, tp in todo:
         seqs = [ids for ids, _ in iter_sequences(data)]
         N = int(data["tokens"].numel())
         hidden = torch.zeros(N, backbone.hidden_size, dtype=DTYPES[dtype])
         entropy = torch.zeros(N, dtype=torch.float32)
         argmax = torch.zeros(N, dtype=torch.int32)
+        tapped = torch.zeros(N, len(tp), backbone.hidden_size, dtype=DTYPES[dtype]) if tp else None
         off = data["offsets"].tolist()
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].numel())
         for j in range(0, len(order), batch_size):
             group = [i for i in order[j:j + batch_size] if seqs[i].numel() > 0]
             if not group:
                 continue
-            feats = sequence_features(backbone, [seqs[i] for i in group], True, True)
-            for i, (h, ent, arg) in zip(group, feats):
+            feats = sequence_features(backbone, [seqs[i] for i in group], True, True, taps=tp)
+            for i, (h, ent, arg, tv) in zip(group, feats):
                 hidden[off[i]:off[i + 1]] = h.to(DTYPES[dtype]).cpu()
+                if tp:
+                    tapped[off[i]:off[i + 1]] = tv.to(DTYPES[dtype]).cpu()
                 entropy[off[i]:off[i + 1]] = ent.cpu()
                 argmax[off[i]:off[i + 1]] = arg.to(torch.int32).cpu()
                 bar.update(seqs[i].numel())
         tensors = {"hidden": hidden, "entropy": entropy, "argmax": argmax}
+        if tp:
+            tensors["taps"] = tapped
         atomic_write(directory / name, lambda tmp: save_file(tensors, str(tmp)))
-        meta["shards"][name] = {"tokens": N, "checksum": tokens_checksum(data["tokens"])}
+        meta["shards"][name] = {"tokens": N, "checksum": tokens_checksum(data["tokens"]),
+                                **({"taps": list(tp)} if tp else {})}
         atomic_write_json(directory / CACHE_JSON, meta)
     bar.close()
     return HiddenCache(directory, meta)

@@ -175,7 +175,8 @@ class Batch:
     tokens of the reply (index in its sequence >= prompt_len). hidden: (B, T, d) backbone
     states. argmax: (B, T) backbone argmax (target 'backbone'). boundary: (B, T) AdaMTP
     boundaries. topk_ids / topk_logits: (B, T, k) stored teacher (teacher 'topk'),
-    topk_ok: (B, T) where it exists.
+    topk_ok: (B, T) where it exists. taps: (B, T, n_taps, d) the backbone's tapped layers
+    (drafters with ``HeadConfig.taps``).
     """
 
     ids: torch.Tensor
@@ -187,6 +188,7 @@ class Batch:
     topk_ids: torch.Tensor | None = None
     topk_logits: torch.Tensor | None = None
     topk_ok: torch.Tensor | None = None
+    taps: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,10 @@ class TrainConfig:
     num_layers: int = field(default=1, metadata={
         "help": "eagle: decoder layers in the drafter; with --init-from a drafter of fewer layers, the "
                 "added ones start as the identity (training continues from what it drafts)"})
+    taps: tuple[int, ...] = field(default=(), metadata={
+        "help": "eagle: backbone decoder layers (1-based) the drafter also reads at level 1, EAGLE-3-style "
+                "feature fusion, e.g. --taps 3 15; with --init-from a drafter without taps, their inputs "
+                "start at zero weight. Cached with the hidden states. Training and evaluation only so far"})
     loss: str = field(default="ce", metadata={"help": "ce | kl | ce+adamtp | kl+adamtp"})
     target: str = field(default="token", metadata={
         "help": "ce target: token (the data token) | backbone (backbone argmax at that position)"})
@@ -103,7 +107,9 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict:
     for k in _RESUMABLE:
         d.pop(k)
     # fields added later are left out when unset, so older checkpoints resume (--no-context-vocab)
-    d = {k: v for k, v in d.items() if v or k not in ("draft_vocab_from", "init_from", "context_vocab")}
+    d = {k: v for k, v in d.items() if v or k not in ("draft_vocab_from", "init_from", "context_vocab", "taps")}
+    if "taps" in d:
+        d["taps"] = list(d["taps"])
     if d.get("num_layers") == 1:  # added later too: the default stays out
         d.pop("num_layers")
     d["uses_cache"] = bool(cfg.cache_hidden)
@@ -131,6 +137,10 @@ def validate(cfg: TrainConfig) -> None:
             raise CadenceError(f"--{name.replace('_', '-')} must not be negative")
     if cfg.num_layers < 1 or (cfg.num_layers > 1 and cfg.kind != "eagle"):
         raise CadenceError("--num-layers must be at least 1, and more than 1 only for eagle heads")
+    if cfg.taps and cfg.kind != "eagle":
+        raise CadenceError("--taps is for eagle heads only")
+    if list(cfg.taps) != sorted(set(cfg.taps)) or any(j < 1 for j in cfg.taps):
+        raise CadenceError(f"--taps {list(cfg.taps)} must be increasing decoder layers (1-based)")
     if cfg.max_len < cfg.num_heads + 3:
         raise CadenceError("--max-len is too short for this many heads")
     if cfg.lr <= 0:
@@ -161,5 +171,10 @@ def init_heads(cfg: TrainConfig, backbone):
                            "would drop some (layers can be added, not removed)")
     if cfg.num_layers > have:
         heads.add_layers(cfg.num_layers - have)
+    if list(cfg.taps) != list(heads.cfg.taps):
+        if heads.cfg.taps:
+            raise CadenceError(f"--init-from {cfg.init_from} reads taps {heads.cfg.taps}; --taps "
+                               f"{list(cfg.taps)} differs (taps can be added to a drafter without them, not changed)")
+        heads.add_taps(list(cfg.taps))
     heads.policy = DraftPolicy()
     return heads

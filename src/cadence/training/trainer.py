@@ -54,8 +54,10 @@ class _Trainable(nn.Module):
         super().__init__()
         self.heads = heads
 
-    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, seg: torch.Tensor | None = None
-                ) -> list[torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, seg: torch.Tensor | None = None,
+                taps: torch.Tensor | None = None) -> list[torch.Tensor]:
+        if taps is not None:  # heads that read the backbone's tapped layers (eagle)
+            return self.heads.train_features(hidden, ids, seg, taps=taps)
         if getattr(self.heads, "attends", False):  # attention stays inside each packed sequence
             return self.heads.train_features(hidden, ids, seg)
         return self.heads.train_features(hidden, ids)
@@ -191,16 +193,16 @@ class _Run:
             if self.main:
                 with heap_threshold():  # the build's blocks come from the heap and are reused
                     build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
-                                progress=cfg.progress)
+                                progress=cfg.progress, taps=tuple(cfg.taps))
             self.accelerator.wait_for_everyone()
-            self.cache = open_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files)
+            self.cache = open_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, tuple(cfg.taps))
             self.cached_only = cfg.cache_only
 
     def _setup_model(self) -> None:
         """Heads, draft vocabulary, optimizer, LR schedule; state from the checkpoint."""
         cfg, accelerator = self.cfg, self.accelerator
         heads = init_heads(cfg, self.backbone) if cfg.init_from else new_heads(
-            cfg.kind, self.backbone, cfg.num_heads, num_layers=cfg.num_layers)
+            cfg.kind, self.backbone, cfg.num_heads, num_layers=cfg.num_layers, taps=list(cfg.taps))
         self.vocab_map = None
         if cfg.init_from and heads.draft_vocab is not None:
             self.vocab_map = vocab_map(heads.draft_vocab, self.backbone.vocab_size)
@@ -260,9 +262,9 @@ class _Run:
             raise CadenceError(f"too little training data: {len(self.train_rows)} packed rows, but one step "
                                f"needs {self.rows_per_step} (processes x batch size x grad accumulation)")
         self.train_ds = RowDataset(self.train_corpus, self.train_rows, self.cache, self.need_argmax,
-                                   self.boundary, self.use_topk)
+                                   self.boundary, self.use_topk, tuple(cfg.taps))
         self.val_ds = RowDataset(self.val_corpus, self.val_rows, self.cache, self.need_argmax,
-                                 self.boundary, self.use_topk)
+                                 self.boundary, self.use_topk, tuple(cfg.taps))
 
     def _setup_loss(self) -> None:
         """The loss spec, the frozen LM head the loss uses, and the evaluation LM head."""
@@ -283,7 +285,7 @@ class _Run:
             self.eval_lm = inner.lm_logits
         self.loss_head = loss_head
         self.feature_kw = dict(backbone=None if self.cache is not None else backbone,
-                               need_argmax=self.need_argmax, boundary=self.boundary)
+                               need_argmax=self.need_argmax, boundary=self.boundary, taps=tuple(cfg.taps))
 
     # ------------------------------------------------------------ eval / checkpoint
 
@@ -299,7 +301,7 @@ class _Run:
             for i in range(0, len(mine), cfg.batch_size):
                 idx = mine[i:i + cfg.batch_size]
                 batch = to_batch(collate([self.val_ds[j] for j in idx]), accelerator.device, **self.feature_kw)
-                feats = model(batch.hidden, batch.ids, batch.seg)
+                feats = model(batch.hidden, batch.ids, batch.seg, batch.taps)
                 c = L.chain_counts(self.eval_lm, feats, batch, self.eval_target, cfg.loss_chunk,
                                    self.spec.vocab_map)
                 counts = c if counts is None else {k: counts[k] + c[k] for k in c}
@@ -370,7 +372,7 @@ class _Run:
         with accelerator.accumulate(model):
             batch = to_batch(raw, accelerator.device, **self.feature_kw)
             with accelerator.autocast():
-                feats = model(batch.hidden, batch.ids, batch.seg)
+                feats = model(batch.hidden, batch.ids, batch.seg, batch.taps)
                 loss, parts, _ = L.head_losses(self.loss_head, feats, batch, self.spec)
                 if cfg.feature_loss > 0 and getattr(self.inner, "regress_features", False):
                     loss = loss + cfg.feature_loss * L.feature_regression(feats, batch, cfg.loss_lambda)
