@@ -18,7 +18,7 @@ from tiny import tiny_backbone
 from cadence.backbone import load_backbone
 from cadence.context_copy import CopyConfig
 from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.engine import Engine, GenerationConfig, drafter_states
 from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads, save_heads
 from cadence.heads.eagle import EagleHeads
@@ -26,14 +26,23 @@ from cadence.heads.mtp_attn import MTPAttnHeads
 from cadence.schedulers import StaticScheduler
 from cadence.trees import compile_tree, preset
 
-KINDS = ("eagle", "eagle2", "mtp-attn")  # eagle2: a drafter of two decoder layers
+# eagle2: a drafter of two decoder layers; eagle-taps: one that also reads the backbone's layer 1
+KINDS = ("eagle", "eagle2", "eagle-taps", "mtp-attn")
 
 
 def make(kind, bb, k=3, **kw):
-    """new_heads, with "eagle2" = eagle heads of two layers."""
+    """new_heads, with "eagle2" = eagle heads of two layers, "eagle-taps" = reading tap 1."""
     if kind == "eagle2":
         return new_heads("eagle", bb, k, num_layers=2, **kw)
+    if kind == "eagle-taps":
+        return new_heads("eagle", bb, k, taps=[1], **kw)
     return new_heads(kind, bb, k, **kw)
+
+
+def states(bb, ids, heads):
+    """What an engine commits for ``ids`` (1, T): backbone states, with the heads' taps appended."""
+    taps = tuple(heads.cfg.taps)
+    return drafter_states(bb.forward(ids, need_logits=False, **({"taps": taps} if taps else {})))
 
 
 PROMPTS = ([5, 9, 11, 3, 7, 9, 11, 3], [40, 41, 42, 43, 40, 41], [7] * 12 + [100, 101, 7, 7])
@@ -169,6 +178,9 @@ def test_sampling_distribution_identical(kind):
 
 def _teacher(heads, bb, ids):
     with torch.no_grad():
+        if heads.cfg.taps:
+            fwd = bb.forward(ids, need_logits=False, taps=tuple(heads.cfg.taps))
+            return heads.train_features(fwd.hidden, ids, taps=fwd.taps)
         return heads.train_features(bb.forward(ids, need_logits=False).hidden, ids)
 
 
@@ -180,8 +192,8 @@ def test_drafting_equals_teacher_forcing_after_uneven_commits(backbones, kind):
     bb = backbones["llama"]
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (1, 40))
-    hidden = bb.forward(ids, need_logits=False).hidden[0]
     heads = make(kind, bb, 3, random=True, seed=1).eval()
+    hidden = states(bb, ids, heads)[0]  # (T, d), or (T, d * 2) with a tap
     ref = _teacher(heads, bb, ids)
     drafter = HeadDrafter(heads)
     state = drafter.new_state()
@@ -191,8 +203,9 @@ def test_drafting_equals_teacher_forcing_after_uneven_commits(backbones, kind):
         drafter.commit(state, hidden[done:t + 1], ids[0, done:t + 1].tolist())
         done = t + 1
         with torch.inference_mode():
-            ctx = drafter._begin(state, hidden[t], ids[0, :t + 1].tolist(), int(ids[0, t + 1]))
-            prev = heads.init_state(hidden[t][None])
+            h = hidden[t, :bb.hidden_size]
+            ctx = drafter._begin(state, h, ids[0, :t + 1].tolist(), int(ids[0, t + 1]))
+            prev = heads.init_state(h[None])
             for k in range(1, 4):
                 s = heads.tree_step(k, prev, ids[0, t + k:t + k + 1], ctx, [k - 1], [k - 2])
                 f = heads.tree_logits_features(k, s)
@@ -219,7 +232,7 @@ def test_cache_after_engine_run_equals_cache_from_scratch(backbones, kind):
     drafter = HeadDrafter(plain)
     tree = compile_tree(preset("tree-16", 3), name="t16")
     context = list(req.context)
-    hidden = bb.forward(torch.tensor([context]), need_logits=False).hidden[0]
+    hidden = states(bb, torch.tensor([context]), plain)[0]
     fresh = drafter.new_state()
     drafter.commit(fresh, hidden, context)
     old = req.draft_state
@@ -311,8 +324,9 @@ def test_training_learns_and_resumes(train_env, kind):
     from cadence.training.trainer import train
 
     env = train_env
-    kw = dict(kind=kind.rstrip("2"), steps=12, eval_every=6, save_every=4,
-              feature_loss=0.5 if kind.startswith("eagle") else 0.0, num_layers=2 if kind == "eagle2" else 1)
+    kw = dict(kind=kind.rstrip("2").removesuffix("-taps"), steps=12, eval_every=6, save_every=4,
+              feature_loss=0.5 if kind.startswith("eagle") else 0.0, num_layers=2 if kind == "eagle2" else 1,
+              taps=(1,) if kind == "eagle-taps" else ())
     full = train(base_config(env["data"], env["root"] / f"{kind}-full", env["model"], **kw), backbone=env["backbone"])
     assert full.status == "finished"
     first = full.summary["heldout"]["top1"]
@@ -322,7 +336,7 @@ def test_training_learns_and_resumes(train_env, kind):
     rest = train(base_config(env["data"], out, env["model"], **kw), backbone=env["backbone"])
     assert all(torch.equal(a, b) for a, b in zip(full.heads.state_dict().values(), rest.heads.state_dict().values()))
     loaded = load_heads(env["root"] / f"{kind}-full" / "heads", env["backbone"])
-    assert loaded.cfg.kind == kind.rstrip("2") and len(first) == 3
+    assert loaded.cfg.kind == kw["kind"] and len(first) == 3 and loaded.cfg.taps == list(kw["taps"])
     if kind.startswith("eagle"):
         assert len(loaded.layers) == loaded.cfg.num_layers == kw["num_layers"]
     log = [json.loads(x) for x in (env["root"] / f"{kind}-full" / "train_log.jsonl").read_text().splitlines()]

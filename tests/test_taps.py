@@ -1,7 +1,9 @@
 """Backbone taps (intermediate decoder-layer outputs) and drafters that read them (EAGLE-3-style
-feature fusion): both backbones tap the same states, hidden caches store and extend them, an
-eagle drafter grown with taps starts as the drafter it was grown from, and what cannot use
-taps yet refuses them with a clear error."""
+feature fusion): both backbones tap the same states in every kind of forward without changing
+them, hidden caches store and extend them, an eagle drafter grown with taps starts as the
+drafter it was grown from, and what cannot use taps yet (batched engine, export) refuses them.
+Lossless decoding with taps drafters runs with the other attention heads (test_attention_heads,
+kind "eagle-taps")."""
 
 from __future__ import annotations
 
@@ -123,8 +125,13 @@ def test_taps_round_trip_and_refuse_drafting_and_export(env, tmp_path):
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
     for a, b in zip(_features(heads, bb, ids, True), _features(back, bb, ids, True)):
         torch.testing.assert_close(a, b)
-    with pytest.raises(CadenceError, match="cannot draft yet"):
-        HeadDrafter(back)
+    from cadence.batch.engine import BatchEngine
+    from cadence.fast.model import FastBackbone
+
+    assert HeadDrafter(back).taps == (1,)
+    if isinstance(bb, FastBackbone):
+        with pytest.raises(CadenceError, match="serial engine only"):
+            BatchEngine(bb, HeadDrafter(back), narrow=None, latency=object())
     with pytest.raises(CadenceError, match="not exportable"):
         export_heads(tmp_path / "tapped", "eagle", tmp_path / "out")
 
@@ -176,3 +183,49 @@ def test_init_from_a_drafter_with_other_taps_is_refused(env, tmp_path):
     with pytest.raises(CadenceError, match="not changed"):
         train(base_config(env["data"], tmp_path / "x", env["model"], kind="eagle", init_from=str(start)),
               backbone=env["backbone"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_taps_through_decode_and_tree_verify_match_transformers_and_change_nothing(family):
+    from test_fast_model import tree_mask
+
+    ref, fast = pair(family)
+    g = torch.Generator().manual_seed(3)
+    prompt, tree = torch.randint(0, 256, (1, 11), generator=g), torch.randint(0, 256, (1, 4), generator=g)
+    parents = [-1, 0, 0, 1]
+    pos = torch.tensor([[11, 12, 12, 13]])
+    outs = {}
+    for name, bb in (("ref", ref), ("fast", fast), ("fast-plain", fast)):
+        taps = () if name == "fast-plain" else (1,)
+        cache = bb.new_cache()
+        a = bb.forward(prompt, cache, taps=taps)
+        b = bb.forward(tree, cache, pos, tree_mask(parents), taps=taps)
+        c = bb.forward(tree[:, :1], cache, taps=taps)  # a one-token decode step
+        outs[name] = (a, b, c)
+    for x, y, z in zip(outs["ref"], outs["fast"], outs["fast-plain"]):
+        close(x.taps, y.taps)
+        close(x.logits, y.logits)
+        assert torch.equal(y.logits, z.logits) and z.taps is None  # tapping changes nothing
+
+
+def test_taps_in_the_bf16_listed_verify_change_nothing():
+    """bf16 row-consistent forwards (the C++ loop, listed attention where built): taps of a
+    tree verify are the states a tap-free forward passes through (its logits bit-identical)."""
+    from test_fast_model import FAMILIES, tree_mask
+
+    from cadence.fast.model import FastBackbone
+    from tiny import byte_tokenizer
+
+    runs = []
+    for taps in ((), (1,)):
+        torch.manual_seed(0)
+        bb = FastBackbone(FAMILIES["llama"]().to(torch.bfloat16), byte_tokenizer(), "fast")
+        cache = bb.new_cache()
+        g = torch.Generator().manual_seed(7)
+        bb.forward(torch.randint(0, 256, (1, 9), generator=g), cache, taps=taps)
+        out = bb.forward(torch.randint(0, 256, (1, 4), generator=g), cache, torch.tensor([[9, 10, 10, 11]]),
+                         tree_mask([-1, 0, 0, 1]), taps=taps)
+        runs.append(out)
+    assert torch.equal(runs[0].logits, runs[1].logits)
+    assert runs[1].taps.shape == (1, 4, 1, 64) and runs[1].taps.dtype == torch.bfloat16
+    assert torch.isfinite(runs[1].taps.float()).all() and runs[1].taps.abs().sum() > 0

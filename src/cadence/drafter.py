@@ -121,9 +121,6 @@ class HeadDrafter:
     """
 
     def __init__(self, heads, copy: CopyConfig | None = None, copy_depth: int = 0, context_vocab: int = 0):
-        if getattr(heads.cfg, "taps", None):
-            raise CadenceError(f"eagle heads reading backbone taps {heads.cfg.taps} cannot draft yet (the "
-                               "engine's verify pass does not tap the backbone): training and evaluation only")
         self.heads = heads
         self.num_heads = heads.K
         self.vocab_size = heads.cfg.vocab_size
@@ -135,6 +132,12 @@ class HeadDrafter:
         dv = heads.draft_vocab
         self.context_vocab = (ContextVocabs(dv, self.vocab_size, context_vocab)
                               if context_vocab > 0 and dv is not None else None)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Backbone layers the heads also read (``HeadConfig.taps``): the engine taps them in every
+        forward and commits [h ; taps] rows (``engine.drafter_states``)."""
+        return tuple(getattr(self.heads.cfg, "taps", ()) or ())
 
     def pin(self, hidden: torch.Tensor, tokens: list[int]) -> None:
         """One-shot, for schedulers that drafted the top-1 chain themselves to judge it (the
@@ -152,8 +155,9 @@ class HeadDrafter:
         return DraftState() if getattr(self.heads, "attends", False) else None
 
     def commit(self, state: DraftState | None, hidden: torch.Tensor, tokens) -> None:
-        """Record committed tokens and their backbone states hidden (n, d); hidden[i] is the
-        state after tokens[i]. Cheap: the heads' cache is extended lazily at the next draft."""
+        """Record committed tokens and their backbone states hidden (n, d), or (n, d * (1 +
+        n_taps)) with the tapped layers appended; hidden[i] is the state after tokens[i].
+        Cheap: the heads' cache is extended lazily at the next draft."""
         if state is None:
             return
         if hidden.shape[0] != len(tokens):

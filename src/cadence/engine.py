@@ -154,6 +154,14 @@ class PendingStep:
     copy_nodes: dict | None = None  # dynamic trees: node -> parent is a copy too, for each context copy
 
 
+
+def drafter_states(out) -> torch.Tensor:
+    """What the drafter commits per position: the backbone's last-layer state (b, n, d), with
+    the tapped layers' states appended when the forward tapped some (b, n, d * (1 + n_taps))."""
+    if out.taps is None:
+        return out.hidden
+    return torch.cat([out.hidden, out.taps.flatten(-2).to(out.hidden.dtype)], dim=-1)
+
 class Engine:
     """Self-speculative decoding on a frozen backbone; any number of requests in flight.
 
@@ -171,6 +179,8 @@ class Engine:
             shared = scheduler
             scheduler = lambda sampling: shared  # noqa: E731 - a stateless scheduler serves all
         self.new_scheduler: SchedulerFactory | None = scheduler
+        # backbone layers the drafter also reads (eagle heads with taps): every forward taps them
+        self.taps: tuple[int, ...] = tuple(getattr(drafter, "taps", ()) or ())
         self.trace_entropy = False  # record the root entropy of every step (a softmax per step)
         self.allow_unverified = False  # opt-in: schedulers may commit drafts without verification (lossy)
 
@@ -263,8 +273,8 @@ class Request:
         job = self.begin_step()
         if not isinstance(job, PendingStep):
             return job
-        out = score(self.engine.backbone, self.cache, self.past, job.tree, job.tokens)
-        return self.finish_step(job, out.logits[0], out.hidden[0])
+        out = score(self.engine.backbone, self.cache, self.past, job.tree, job.tokens, self.engine.taps)
+        return self.finish_step(job, out.logits[0], drafter_states(out)[0])
 
     def begin_step(self) -> "PendingStep | list[int]":
         """Steps 1-2 (see the module docstring): the tree to verify, drafted, as a
@@ -285,7 +295,9 @@ class Request:
 
     def finish_step(self, job: "PendingStep", logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """Steps 4-5 for the verify forward's output over ``job.tree``'s N+1 nodes:
-        logits (N+1, V), hidden (N+1, d) (extra rows, e.g. a batch's padding, are ignored).
+        logits (N+1, V), hidden (N+1, d) (extra rows, e.g. a batch's padding, are ignored);
+        for a drafter reading taps, (N+1, d * (1 + len(taps))) = ``drafter_states``, of which
+        the first d columns are the backbone's last-layer states.
         Verifies, compacts ``self.cache`` to the accepted path, commits; the committed ids."""
         self.stats.forwards += 1
         tree, tokens = job.tree, job.tokens
@@ -296,7 +308,9 @@ class Request:
         if self.draft_state is not None:  # the accepted path's true states, root first
             self.engine.drafter.commit(self.draft_state, hidden[verdict.path], tokens[verdict.path])
         self.past += len(verdict.path)
-        self.hidden, self.root_logits = hidden[verdict.path[-1]], logits[verdict.path[-1]]
+        last = hidden[verdict.path[-1]]
+        self.hidden = last[:self.engine.backbone.hidden_size] if self.engine.taps else last
+        self.root_logits = logits[verdict.path[-1]]
         self.root = verdict.bonus
         committed = self._commit(tokens[verdict.path].tolist())
         shadows = self._judge_shadows(job, verdict.bonus)
@@ -308,8 +322,9 @@ class Request:
         bb = self.engine.backbone
         t0 = time.perf_counter()
         self.cache = bb.new_cache()
-        out = bb.forward(torch.tensor([self.prompt_ids], device=bb.device), self.cache, need_logits=False)
-        self.prefilled(out.hidden[0, -1], t0, out.hidden[0])
+        out = bb.forward(torch.tensor([self.prompt_ids], device=bb.device), self.cache, need_logits=False,
+                         **({"taps": self.engine.taps} if self.engine.taps else {}))
+        self.prefilled(out.hidden[0, -1], t0, drafter_states(out)[0])
 
     def prefilled(self, hidden: torch.Tensor, t0: float, prompt_hidden: torch.Tensor | None = None) -> None:
         """Bookkeeping after the prompt's forward (``self.cache`` holds the prompt):

@@ -77,6 +77,9 @@ class BatchEngine:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise CadenceError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.engine = Engine(backbone, drafter, scheduler)  # what rows share (Request reads it)
+        if self.engine.taps:
+            raise CadenceError(f"drafters that read backbone taps {list(self.engine.taps)} run in the serial "
+                               "engine only so far (batched forwards do not tap the backbone)")
         self.engine.allow_unverified = allow_unverified
         self.backbone, self.drafter, self.max_batch = backbone, drafter, max_batch
         self.tree_policy = tree_policy

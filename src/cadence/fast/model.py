@@ -351,8 +351,8 @@ class FastBackbone(Backbone):
                 taps: tuple[int, ...] = ()) -> ForwardOut:
         """Same contract as ``Backbone.forward``; ``cache`` must come from ``new_cache``.
         attention_mask: (batch, n) 1/0 padding mask, only for cache-free causal forwards.
-        taps: as ``Backbone.forward``; a tapped forward runs the Python layer loop (same
-        kernels as the C++ loop) and only without a tree (hidden-cache builds, prefills)."""
+        taps: as ``Backbone.forward`` (every form of forward: prefill, decode, tree verify);
+        tapping copies states out and never changes ``hidden`` or ``logits``."""
         if cache is not None and not isinstance(cache, StaticKVCache):
             raise CadenceError("FastBackbone.forward needs a cache from its own new_cache()")
         if attention_mask is not None and (cache is not None or tree_mask is not None):
@@ -362,8 +362,6 @@ class FastBackbone(Backbone):
         with torch.autocast(self.device.type, enabled=False):
             if taps:
                 check_taps(taps, self.spec.layers)
-                if tree_mask is not None:
-                    raise CadenceError("a tapped forward takes no tree mask (tree verification does not tap yet)")
             hidden, tapped = self._states(input_ids, cache, position_ids, tree_mask, attention_mask, tuple(taps))
             return ForwardOut(hidden=hidden, logits=self.logits(hidden) if need_logits else None, taps=tapped)
 
@@ -397,8 +395,8 @@ class FastBackbone(Backbone):
         past = cache.length() if cache is not None else 0
         real = n  # rows asked for; a row-consistent forward pads fewer to MIN_QUERIES up front
         given_tree = tree_mask is not None  # no mask = a chain: no layout check, padded or not
-        if cache is not None and (past > 0 or tree_mask is not None) and self.listed and not taps:  # decode/verify
-            return self._listed_forward(input_ids, cache, position_ids, tree_mask), None
+        if cache is not None and (past > 0 or tree_mask is not None) and self.listed:  # decode or verify
+            return self._listed_forward(input_ids, cache, position_ids, tree_mask, taps)
         if (self.pad_up_front and cache is not None and (past > 0 or tree_mask is not None)
                 and n < consistent.MIN_QUERIES):
             if position_ids is None:
@@ -434,17 +432,24 @@ class FastBackbone(Backbone):
             ancestors = [row.nonzero().flatten().tolist() for row in tree_mask[:real].to(torch.bool)]
             if not consistent.is_laid_out(ancestors):  # a branching tree: paths in decoding's slots
                 paths = consistent.PathAttention(cache.k, cache.v, past, ancestors, cache.max_positions)
-        x, tapped = None, [] if taps else None
-        if paths is None and (groups is None or len(groups) == 1) and not taps:
+        x, tap_out = None, self._tap_buffer(input_ids, taps)
+        if paths is None and (groups is None or len(groups) == 1):
             x = self._native_forward(input_ids, cos, sin, cache, past, groups[0][1] if groups else keys, mask,
-                                     causal, steady)
+                                     causal, steady, taps, tap_out)
         if x is None:
             attention = self._path_attention(paths) if paths is not None else \
                 self._attention(store, mask, causal, groups)  # same positions, so the keys reserved above
-            x = self._layers_forward(input_ids, cos, sin, attention, taps, tapped)
+            x = self._layers_forward(input_ids, cos, sin, attention, taps, tap_out)
         if cache is not None:
             cache.advance(real)
-        return x[:, :real], (torch.stack(tapped, dim=2)[:, :real] if taps else None)
+        return x[:, :real], (tap_out[:, :real] if taps else None)
+
+    def _tap_buffer(self, input_ids, taps) -> torch.Tensor | None:
+        """(b, n, len(taps), d) for the forward's tapped states, or None without taps."""
+        if not taps:
+            return None
+        b, n = input_ids.shape
+        return torch.empty(b, n, len(taps), self.spec.hidden, dtype=self.dtype, device=self.device)
 
     @property
     def listed(self) -> bool:
@@ -485,11 +490,11 @@ class FastBackbone(Backbone):
         cos, sin = self.rope.lookup(position_ids, top)
         return position_ids, cos, sin
 
-    def _listed_forward(self, input_ids, cache, position_ids, tree_mask) -> torch.Tensor:
+    def _listed_forward(self, input_ids, cache, position_ids, tree_mask, taps=()):
         """A decode or verify forward (``listed``): every row attends to the committed entries
         then to its own tree ancestors (itself included; a chain when ``tree_mask`` is None),
         listed in slot order, which are the keys plain decoding gives a token at its position.
-        input_ids: (b, n); tree_mask: (n, n) or None -> (b, n, hidden)."""
+        input_ids: (b, n); tree_mask: (n, n) or None -> (hidden (b, n, d), taps or None)."""
         b, n = input_ids.shape
         past = cache.length()
         self._reserve(cache, b, n)
@@ -497,9 +502,10 @@ class FastBackbone(Backbone):
         tree = torch.ones(n, n, dtype=torch.bool).tril_() if tree_mask is None else tree_mask.to("cpu", torch.bool)
         lists = consistent.key_lists(tree.expand(b, n, n), [past] * b)
         self._block_rows(True)
+        tap_out = self._tap_buffer(input_ids, taps)
         if self._native:
             x = self._native.forward(input_ids.to(self.device), cos, sin, cache.k, cache.v, past, 0, None, False, False,
-                                     0, bool(self._blockable), None, list(lists))
+                                     0, bool(self._blockable), None, list(lists), list(taps), tap_out)
         else:  # the Python loop (tests compare the two): same kernel, same bits
             scale = 1.0 / math.sqrt(self.spec.head_dim)
 
@@ -507,9 +513,9 @@ class FastBackbone(Backbone):
                 cache.k[i, :, :, past:past + n] = k
                 cache.v[i, :, :, past:past + n] = v
                 return self._ops.listed_attention(q, cache.k[i], cache.v[i], *lists, scale)
-            x = self._layers_forward(input_ids, cos, sin, attend)
+            x = self._layers_forward(input_ids, cos, sin, attend, taps, tap_out)
         cache.advance(n)
-        return x
+        return x, tap_out
 
     def _resolve_native(self) -> None:
         """At the first forward: the C++ loop and fused kernels (``fast.native``), or neither.
@@ -532,7 +538,7 @@ class FastBackbone(Backbone):
         return self._ops.rope(x, cos, sin) if self._fusable(x) else rope.apply(x, cos, sin)
 
     def _native_forward(self, input_ids, cos, sin, cache, past: int, keys: int, mask, causal: bool,
-                        steady: bool) -> torch.Tensor | None:
+                        steady: bool, taps: tuple[int, ...] = (), tap_out=None) -> torch.Tensor | None:
         """``_layers_forward`` with ``_attention``'s single-call forms, through the C++ loop
         (``fast.native``: same ATen calls, same bits); None when it is off or unavailable.
         keys: the cache entries attended to (``steady``: the one row group's key count)."""
@@ -554,7 +560,8 @@ class FastBackbone(Backbone):
             folded = False
         k, v = (cache.k, cache.v) if cache is not None else (None, None)
         return self._native.forward(input_ids.to(self.device), cos, sin, k, v, past, keys if cache is not None else n,
-                                    mask, folded, causal, min_queries, steady and bool(self._blockable), None, None)
+                                    mask, folded, causal, min_queries, steady and bool(self._blockable), None, None,
+                                    list(taps), tap_out)
 
     def _attention(self, store, mask, causal: bool, groups=None):
         """``attend(layer, q, k, v)`` for ``_layers_forward``: ``store(layer, k, v)`` (k, v of
@@ -580,17 +587,17 @@ class FastBackbone(Backbone):
         return lambda i, q, k, v: paths(i, q, k, v, gqa)
 
     def _layers_forward(self, input_ids, cos, sin, attend, taps: tuple[int, ...] = (),
-                        tapped: list | None = None) -> torch.Tensor:
+                        tap_out: torch.Tensor | None = None) -> torch.Tensor:
         """Embedding, decoder layers and final norm -> (b, n, d); ``attend(layer, q, k, v)``
         (``_attention``) gives each layer's attention output (b, heads, n, head_dim). With
-        ``taps``, the Python loop runs and appends the residual stream after each tapped layer
-        (1-based) to ``tapped``."""
+        ``taps``, the residual stream after tapped layer taps[j] (1-based) is copied to
+        ``tap_out[:, :, j]``."""
         s = self.spec
         self._resolve_native()
-        if self._native and not taps:  # the C++ loop, calling ``attend`` back for each layer's attention
+        if self._native:  # the C++ loop, calling ``attend`` back for each layer's attention
             blocked = bool(self._blockable) and self._blockable[0].max_rows > 0  # as ``_block_rows`` left them
             return self._native.forward(input_ids.to(self.device), cos, sin, None, None, 0, 0, None, False, False, 0,
-                                        blocked, attend, None)
+                                        blocked, attend, None, list(taps), tap_out)
         b, n = input_ids.shape
         H, KV, hd = s.heads, s.kv_heads, s.head_dim
         x = F.embedding(input_ids.to(self.device), self.embed.weight)
@@ -611,6 +618,7 @@ class FastBackbone(Backbone):
             gu = layer.gate_up(h)
             g, u = gu.chunk(2, dim=-1)
             x = x + layer.down(F.silu(g) * u)
-            if i + 1 in taps:
-                tapped.append(x)
+            for j, layer_no in enumerate(taps):
+                if layer_no == i + 1:
+                    tap_out[:, :, j] = x
         return self._norm(x, self.final_norm)

@@ -19,8 +19,9 @@ level-1 entry also reads the backbone's residual stream after some decoder layer
 RMS-normalised (no weight): ``fc[ E(x_{j+1}) ; h_j ; rms(l_j^1) ; ... ]``. Deeper levels have
 no backbone states, so their tap slots are zeros (the drafter's own f stands in for h, as
 in EAGLE-1). ``add_taps`` grows a trained drafter by zero columns, so it starts drafting
-exactly what it drafted. So far taps are trained and evaluated only: decoding needs the
-backbone's verify pass to tap its layers too, and vLLM's ``llama_eagle`` has no such input.
+exactly what it drafted. Decoding: the engine taps the same layers in every backbone forward
+(prefill and verify) and commits [h ; taps] rows (``engine.drafter_states``); the batched
+engine and export to vLLM (whose ``llama_eagle`` has no such input) refuse such drafters.
 
 Layout follows vLLM's ``llama_eagle`` (and SGLang's) so ``cadence export`` can hand the
 weights over unchanged: ``fc`` takes ``[embedding ; hidden]`` in that order, layer 0 has no
@@ -171,12 +172,10 @@ class EagleHeads(DraftHeads):
         """Extend ``cache`` with the committed entries it lacks and return the draft's scratch.
 
         seq = committed tokens + [root] = x_0..x_{t+1}; pending (m, d) = h_j for j = cache.end
-        .. t (the backbone states not consumed yet). Entry j = (x_{j+1}, h_j), so the root's
+        .. t (the backbone states not consumed yet), or (m, d * (1 + n_taps)) = [h_j ; taps_j]
+        for heads with taps (without the tap columns their inputs are zeros, as at deeper levels). Entry j = (x_{j+1}, h_j), so the root's
         entry (x_{t+1}, h_t) is the last one added. Example: cache.end 10, t = 12 -> pending
         holds h_10..h_12 and entries 10, 11, 12 are added (tokens x_11, x_12, root)."""
-        if self.cfg.taps:
-            raise CadenceError(f"eagle heads reading backbone taps {self.cfg.taps} cannot draft yet "
-                               "(the engine's verify pass does not tap the backbone): training and evaluation only")
         t = len(seq) - 2
         m = pending.shape[0]
         if cache.end + m != t + 1:
@@ -189,7 +188,10 @@ class EagleHeads(DraftHeads):
             pos = torch.arange(cache.end, t + 1, device=dev)
             # entry i sees the committed entries and the new ones up to itself
             mask = None if m == 1 else torch.ones(m, n + m, dtype=torch.bool, device=dev).tril(n)
-            out = self._input(toks, pending)
+            d, taps = self.cfg.hidden_size, None
+            if self.cfg.taps and pending.shape[-1] > d:
+                taps = pending[:, d:].reshape(m, len(self.cfg.taps), d)
+            out = self._input(toks, pending[:, :d], taps)
             for layer, kv in zip(self.layers, cache.kv):
                 out = layer.draft_forward(out, pos, kv, n, mask, top=t)
                 kv.advance(m)

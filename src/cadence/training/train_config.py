@@ -33,7 +33,7 @@ class TrainConfig:
     taps: tuple[int, ...] = field(default=(), metadata={
         "help": "eagle: backbone decoder layers (1-based) the drafter also reads at level 1, EAGLE-3-style "
                 "feature fusion, e.g. --taps 3 15; with --init-from a drafter without taps, their inputs "
-                "start at zero weight. Cached with the hidden states. Training and evaluation only so far"})
+                "start at zero weight. Cached with the hidden states; decoded by the serial engine (not batched, not exportable)"})
     loss: str = field(default="ce", metadata={"help": "ce | kl | ce+adamtp | kl+adamtp"})
     target: str = field(default="token", metadata={
         "help": "ce target: token (the data token) | backbone (backbone argmax at that position)"})

@@ -86,13 +86,16 @@ class Layers {
   // ``forward_rows``' forms) that stores and attends itself; the cache arguments are then
   // unused. lists: (prefix, extra, count) of ``consistent.key_lists``: the new entries are
   // stored at [past, past + n) and each row attends its listed slots (``listed_attention``);
-  // mask, keys, folded and min_queries are then unused. Returns (b, n, hidden) after the
-  // final norm.
+  // mask, keys, folded and min_queries are then unused. taps / tap_out: tap_out (b, n,
+  // len(taps), hidden) receives the residual stream after each layer taps[j] (1-based) in
+  // column j (``FastBackbone`` taps); an empty list and None tap nothing. Returns (b, n,
+  // hidden) after the final norm.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
                      const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                      int64_t past, int64_t keys, const std::optional<at::Tensor>& mask, bool folded, bool causal,
                      int64_t min_queries, bool blocked, const pybind11::object& attend,
-                     const std::optional<std::vector<at::Tensor>>& lists) const {
+                     const std::optional<std::vector<at::Tensor>>& lists, const std::vector<int64_t>& taps,
+                     const std::optional<at::Tensor>& tap_out) const {
     c10::InferenceMode guard;
     const int64_t b = input_ids.size(0), n = input_ids.size(1);
     const int64_t H = heads_, KV = kv_, hd = hd_;
@@ -123,6 +126,9 @@ class Layers {
       at::Tensor gu = L.gate_up(h, blocked);
       auto parts = gu.chunk(2, -1);
       x = x + L.down(at::silu(parts[0]) * parts[1], blocked);
+      for (size_t j = 0; j < taps.size(); ++j) {
+        if (tap_out && taps[j] == static_cast<int64_t>(i) + 1) tap_out->select(2, static_cast<int64_t>(j)).copy_(x);
+      }
     }
     return rms(x, final_norm_, eps_);
   }
