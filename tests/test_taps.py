@@ -229,3 +229,21 @@ def test_taps_in_the_bf16_listed_verify_change_nothing():
     assert torch.equal(runs[0].logits, runs[1].logits)
     assert runs[1].taps.shape == (1, 4, 1, 64) and runs[1].taps.dtype == torch.bfloat16
     assert torch.isfinite(runs[1].taps.float()).all() and runs[1].taps.abs().sum() > 0
+
+
+def test_calibration_ranks_of_a_drafter_grown_by_taps_are_its_own(env):
+    """``cadence calibrate``'s teacher-forced ranks tap the backbone for heads that read taps;
+    zero-weight taps rank exactly as the drafter they were grown from."""
+    import copy
+
+    from cadence.calibrate import sequence_ranks
+    from cadence.heads import new_heads
+
+    bb = env["backbone"]
+    plain = new_heads("eagle", bb, 3, random=True, seed=4).eval()
+    grown = copy.deepcopy(plain).add_taps([1]).bind(bb).eval()
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        a = sequence_ranks(bb, plain, ids, 8, 4)
+        b = sequence_ranks(bb, grown, ids, 8, 4)
+    assert all(torch.equal(x, y) for x, y in zip(a.plain, b.plain))

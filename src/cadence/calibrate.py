@@ -30,6 +30,7 @@ from cadence.cliargs import add_fields, from_args
 from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.drafter import HeadDrafter
 from cadence.errors import CadenceError
+from cadence.heads.base import teacher_features
 from cadence.heads.policy import DraftPolicy, save_policy
 from cadence.sampling import SamplingParams, entropy
 from cadence.scorer import score
@@ -157,8 +158,8 @@ def sequence_ranks(backbone, heads, ids: torch.Tensor, plen: int, ranks: int, co
     T = len(ids)
     if T - plen < K + 2:
         return None
-    hidden = backbone.forward(ids[None], need_logits=False).hidden
-    feats = heads.train_features(hidden, ids[None])
+    out, feats = teacher_features(heads, backbone, ids[None])
+    hidden = out.hidden
     t0 = max(plen - 1, 0)  # first position whose next token is a reply token
     tops = []  # tops[k-1]: (T-1-k-t0, ranks) head k's candidate ids at t = t0..
     for k in range(1, K + 1):

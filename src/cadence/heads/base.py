@@ -199,3 +199,14 @@ class DraftHeads(nn.Module):
                 fan_in = p.shape[-1] if p.dim() > 1 else 1
                 p.copy_(torch.randn(p.shape, generator=generator) * scale / fan_in ** 0.5)
         return self
+
+
+def teacher_features(heads: DraftHeads, backbone, ids: torch.Tensor):
+    """One backbone forward over ids (1, T) and the heads' teacher-forced features on it
+    (``train_features``; tapping the backbone for heads that read taps). Returns (the
+    backbone's ``ForwardOut``, features per depth)."""
+    taps = tuple(getattr(heads.cfg, "taps", ()) or ())
+    out = backbone.forward(ids, need_logits=False, **({"taps": taps} if taps else {}))
+    if taps:
+        return out, heads.train_features(out.hidden, ids, taps=out.taps)
+    return out, heads.train_features(out.hidden, ids)

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from cadence.cliargs import add_fields, from_args
 from cadence.errors import CadenceError
+from cadence.heads.base import teacher_features
 
 HOLDOUT_EVERY = 10  # fallback held-out split: every 10th train sequence, while there are no val shards
 
@@ -152,9 +153,8 @@ def rollout(backbone, heads, ids: torch.Tensor, plen: int, features: bool = Fals
     n = T - 1 - K - t0  # positions whose K targets all exist
     if n <= 0:
         return None
-    out = backbone.forward(ids[None], need_logits=False)
+    out, feats = teacher_features(heads, backbone, ids[None])
     hidden = out.hidden
-    feats = heads.train_features(hidden, ids[None])
     vocab = heads.draft_vocab
     tops, logq, target, g = [], [], [], []
     for k in range(1, K + 1):
