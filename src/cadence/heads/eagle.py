@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from cadence.errors import CadenceError
+from cadence.fast.kernels import Linear, resolve_kind
 from cadence.heads.attn_block import KV, Block, packed, segment_causal, shape_from_config
 from cadence.heads.base import DraftHeads, HeadConfig
 
@@ -121,6 +122,9 @@ class EagleHeads(DraftHeads):
         dt = self._param_dtype()
         parts = [self.embed(tokens), feats.to(dt)]
         n = len(self.cfg.taps)
+        drafting = not torch.is_grad_enabled()
+        if n and taps is None and drafting:  # zero tap slots: only fc's first 2d columns matter
+            return self._fc_base(torch.cat(parts, dim=-1))
         if n:
             if taps is None:  # a deeper level: no backbone states to read
                 parts.append(feats.new_zeros(*feats.shape[:-1], n * feats.shape[-1], dtype=dt))
@@ -128,8 +132,19 @@ class EagleHeads(DraftHeads):
                 t = nn.functional.rms_norm(taps.float(), (taps.shape[-1],), eps=self.cfg.rms_eps)
                 parts.append(t.flatten(-2).to(dt))
         x = torch.cat(parts, dim=-1)
-        kern = None if torch.is_grad_enabled() else packed(self, {"fc": [self.fc]})  # drafting
+        kern = packed(self, {"fc": [self.fc]}) if drafting else None
         return kern["fc"](x) if kern is not None else self.fc(x)
+
+    def _fc_base(self, x: torch.Tensor) -> torch.Tensor:
+        """fc restricted to [E ; f] (x (..., 2d)): a drafted node's entry, whose tap slots are zero."""
+        w = self.fc.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        hit = self.__dict__.get("_base_fc")
+        if hit is None or hit[0] != key:
+            base = w.detach()[:, :2 * self.cfg.hidden_size].contiguous()
+            kind = resolve_kind("auto", w.device, w.dtype)
+            self.__dict__["_base_fc"] = hit = (key, base, Linear(base, None, kind) if kind != "aten" else None)
+        return hit[2](x) if hit[2] is not None else nn.functional.linear(x, hit[1])
 
     # ------------------------------------------------------------------ training
     def train_features(self, hidden, ids, seg=None, taps=None):
