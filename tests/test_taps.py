@@ -1,7 +1,8 @@
 """Backbone taps (intermediate decoder-layer outputs) and drafters that read them (EAGLE-3-style
 feature fusion): both backbones tap the same states in every kind of forward without changing
 them, hidden caches store and extend them, an eagle drafter grown with taps starts as the
-drafter it was grown from, and what cannot use taps yet (batched engine, export) refuses them.
+drafter it was grown from, the batched engine drafts from the same taps as the serial one, and
+export (no vLLM counterpart) refuses them.
 Lossless decoding with taps drafters runs with the other attention heads (test_attention_heads,
 kind "eagle-taps")."""
 
@@ -125,13 +126,7 @@ def test_taps_round_trip_and_refuse_drafting_and_export(env, tmp_path):
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
     for a, b in zip(_features(heads, bb, ids, True), _features(back, bb, ids, True)):
         torch.testing.assert_close(a, b)
-    from cadence.batch.engine import BatchEngine
-    from cadence.fast.model import FastBackbone
-
     assert HeadDrafter(back).taps == (1,)
-    if isinstance(bb, FastBackbone):
-        with pytest.raises(CadenceError, match="serial engine only"):
-            BatchEngine(bb, HeadDrafter(back), narrow=None, latency=object())
     with pytest.raises(CadenceError, match="not exportable"):
         export_heads(tmp_path / "tapped", "eagle", tmp_path / "out")
 
@@ -247,3 +242,64 @@ def test_calibration_ranks_of_a_drafter_grown_by_taps_are_its_own(env):
         a = sequence_ranks(bb, plain, ids, 8, 4)
         b = sequence_ranks(bb, grown, ids, 8, 4)
     assert all(torch.equal(x, y) for x, y in zip(a.plain, b.plain))
+
+
+# ----------------------------------------------------------------------------- batched engine
+
+
+class _Spy:
+    """A drafter that records every draft (context length, drafted tokens) per prompt."""
+
+    def __init__(self, inner, prompts):
+        self.inner, self.prompts, self.log = inner, prompts, {tuple(p): [] for p in prompts}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, tree, root, hidden, context, *args, **kw):
+        d = self.inner.draft(tree, root, hidden, context, *args, **kw)
+        key = next(p for p in self.log if tuple(context[:len(p)]) == p)
+        self.log[key].append((len(context), root, d.tokens.tolist()))
+        return d
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_rows_draft_from_the_same_taps_as_the_serial_engine(temperature):
+    """Three requests with a taps drafter through ``BatchEngine`` (2 slots: one joins
+    later) give each request's tokens, steps and every draft of ``Engine`` run alone."""
+    from tiny import tiny_backbone
+
+    from cadence.batch.engine import BatchEngine
+    from cadence.batch.narrow import NarrowConfig
+    from cadence.drafter import HeadDrafter
+    from cadence.engine import Engine, GenerationConfig
+    from cadence.fast.model import FastBackbone
+    from cadence.heads import new_heads
+    from cadence.schedulers import StaticScheduler
+
+    bb = FastBackbone.from_backbone(tiny_backbone("llama", layers=3))
+    heads = new_heads("eagle", bb, 3, random=True, seed=4, taps=[1, 2])
+    with torch.no_grad():  # make the taps matter: their fc columns are not small
+        heads.fc.weight[:, 2 * 64:].normal_(0, 0.5, generator=torch.Generator().manual_seed(6))
+    prompts = [[5, 9, 11, 3, 7, 9, 11, 3], [40, 41, 42], [7] * 12 + [100, 101]]
+    cfg = GenerationConfig(max_new_tokens=24, temperature=temperature, seed=11)
+    sched = StaticScheduler.from_preset("tree-8", 3)
+    serial = _Spy(HeadDrafter(heads), prompts)
+    refs = [Engine(bb, serial, lambda s: sched).generate(p, cfg) for p in prompts]
+    batched = _Spy(HeadDrafter(heads), prompts)
+    be = BatchEngine(bb, batched, lambda s: sched, max_batch=2, narrow=NarrowConfig(mode="none"))
+    rids = [be.add(p, cfg) for p in prompts[:2]]
+    toks, stats = {r: [] for r in rids}, {}
+    while be.has_work():
+        for ev in be.step():
+            toks.setdefault(ev.rid, [])
+            toks[ev.rid] += ev.tokens
+            if ev.finished:
+                stats[ev.rid] = ev.stats
+        if len(rids) == 2 and len(stats) == 0:
+            rids.append(be.add(prompts[2], cfg))
+    for rid, p, ref in zip(rids, prompts, refs):
+        assert toks[rid] == ref.tokens
+        assert stats[rid].steps == ref.stats.steps
+    assert batched.log == serial.log
+    assert sum(len(v) for v in serial.log.values()) >= 12

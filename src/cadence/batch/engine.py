@@ -41,7 +41,7 @@ import torch
 from cadence.batch.api import Event
 from cadence.batch.layout import pack
 from cadence.batch.narrow import MAX_NODES, CappedScheduler, NarrowConfig, Narrowing
-from cadence.engine import Engine, GenerationConfig, PendingStep, Request
+from cadence.engine import Engine, GenerationConfig, PendingStep, Request, drafter_states
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
 
@@ -77,9 +77,6 @@ class BatchEngine:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise CadenceError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.engine = Engine(backbone, drafter, scheduler)  # what rows share (Request reads it)
-        if self.engine.taps:
-            raise CadenceError(f"drafters that read backbone taps {list(self.engine.taps)} run in the serial "
-                               "engine only so far (batched forwards do not tap the backbone)")
         self.engine.allow_unverified = allow_unverified
         self.backbone, self.drafter, self.max_batch = backbone, drafter, max_batch
         self.tree_policy = tree_policy
@@ -163,8 +160,9 @@ class BatchEngine:
             t0 = time.perf_counter()
             req.cache = self.cache.row(row.slot)
             ids = torch.tensor([req.prompt_ids], device=self.backbone.device)
-            out = self.backbone.forward_rows(ids, self.cache, row.slot, [0], need_logits=False)
-            req.prefilled(out.hidden[0, -1], t0, out.hidden[0])  # every prompt state: drafters with state
+            out = self.backbone.forward_rows(ids, self.cache, row.slot, [0], need_logits=False,
+                                             taps=self.engine.taps)
+            req.prefilled(out.hidden[0, -1], t0, drafter_states(out)[0])  # every prompt state: drafters with state
             self.rows.append(row)
 
     def _set_cap(self, row: _Row) -> None:
@@ -181,14 +179,15 @@ class BatchEngine:
         p = pack([row.req.past for row, _ in work], [job.tree for _, job in work],
                  [job.tokens for _, job in work], self.backbone.device)
         out = self.backbone.forward_rows(p.tokens, self.cache, 0, p.starts, p.positions, p.mask,
-                                         need_logits=False)
+                                         need_logits=False, taps=self.engine.taps)
+        states = drafter_states(out)  # (B, n, d) or, for a drafter reading taps, (B, n, d * (1 + taps))
         n = p.tokens.shape[1]
         real = torch.cat([torch.arange(m) + b * n for b, m in enumerate(p.sizes)]).to(out.hidden.device)
         logits = self.backbone.logits(out.hidden.reshape(-1, out.hidden.shape[-1])[real])
         events, offset = [], 0
         for b, ((row, job), m) in enumerate(zip(work, p.sizes)):
             job.rows = len(work)
-            committed = row.req.finish_step(job, logits[offset:offset + m], out.hidden[b, :m])
+            committed = row.req.finish_step(job, logits[offset:offset + m], states[b, :m])
             offset += m
             events.append(self._event(row, committed, job))
         for row, _ in work:

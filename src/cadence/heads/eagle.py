@@ -20,8 +20,9 @@ RMS-normalised (no weight): ``fc[ E(x_{j+1}) ; h_j ; rms(l_j^1) ; ... ]``. Deepe
 no backbone states, so their tap slots are zeros (the drafter's own f stands in for h, as
 in EAGLE-1). ``add_taps`` grows a trained drafter by zero columns, so it starts drafting
 exactly what it drafted. Decoding: the engine taps the same layers in every backbone forward
-(prefill and verify) and commits [h ; taps] rows (``engine.drafter_states``); the batched
-engine and export to vLLM (whose ``llama_eagle`` has no such input) refuse such drafters.
+(prefill and verify; the batched engine's ragged forward too) and commits [h ; taps] rows
+(``engine.drafter_states``); export to vLLM (whose ``llama_eagle`` has no such input) refuses
+such drafters.
 
 Layout follows vLLM's ``llama_eagle`` (and SGLang's) so ``cadence export`` can hand the
 weights over unchanged: ``fc`` takes ``[embedding ; hidden]`` in that order, layer 0 has no
