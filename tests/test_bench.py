@@ -222,3 +222,13 @@ def test_method_names_take_a_heads_directory(tmp_path):
                      ("hydra/fast", "options are /nocopy and /novocab")]:
         with pytest.raises(CadenceError, match=msg):
             parse_method(bad, BenchConfig())
+
+
+def test_method_names_take_a_shipped_set_by_name():
+    """'eagle@eagle-taps' runs a set shipped beside the default one without its path."""
+    from cadence.bench.runner import parse_method
+
+    entry = parse_method("eagle@eagle-taps/nocopy", BenchConfig())
+    assert (entry.spec.heads, entry.spec.copy, entry.label) == ("eagle-taps", False, "eagle@eagle-taps/nocopy")
+    with pytest.raises(CadenceError, match="nor a shipped set"):
+        parse_method("eagle@eagle-taps9", BenchConfig())

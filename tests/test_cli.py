@@ -167,6 +167,26 @@ def test_error_heads_for_another_backbone(capsys, model_dir, tmp_path):
                        tmp_path / "h2"), "trained for 'tiny-qwen2', not 'tiny-model'")
 
 
+def test_heads_by_shipped_name(capsys, model_dir, loaded, tmp_path, monkeypatch):
+    """--heads NAME loads a set shipped for the backbone (assets/heads/<model>/NAME); a directory
+    of that name in the working directory wins; another kind's set is refused."""
+    import cadence.methods as M
+    save_heads(new_heads("hydra", loaded, 2), tmp_path / "assets" / "tiny" / "hydra-wide")
+    monkeypatch.setattr(M, "SHIPPED_HEADS", tmp_path / "assets")
+    monkeypatch.setitem(M.SHIPPED_FOR, "tiny-model", "tiny")
+    heads = M.resolve_heads(loaded, M.MethodSpec(method=M.Method.HYDRA, heads="hydra-wide"))
+    assert heads.cfg.kind == "hydra" and M.shipped_names() == ["hydra-wide"]
+    rc, out, err = run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", "hydra-wide",
+                       "--max-new-tokens", "4")
+    assert rc == 0, err
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "medusa", "--heads",
+                       "hydra-wide"), "holds hydra heads, but --method is medusa")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hydra-wide").mkdir()  # a local directory of the same name is what the user meant
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads",
+                       "hydra-wide"), "not a heads directory")
+
+
 def test_error_heads_of_another_kind_or_missing(capsys, model_dir, loaded, tmp_path):
     save_heads(new_heads("hydra", loaded, 2), tmp_path / "h")
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "medusa", "--heads",

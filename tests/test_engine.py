@@ -286,3 +286,24 @@ def test_shipped_heads_are_lossless_and_accept_drafts(kind, default_backbone):
             assert g.tokens == Engine(bb).generate(ids, cfg).tokens, (kind, tree, prompt)
             new, steps = new + g.stats.new_tokens, steps + g.stats.steps
     assert new / steps > 1.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,heads", [("eagle", "default"), ("eagle", "eagle-taps"),
+                                        ("mtp-attn", "default")])
+def test_shipped_attention_heads_are_lossless(kind, heads, default_backbone):
+    """The attention-bearing sets shipped for the default model (by name for the variants):
+    greedy output identical to vanilla with the default (dynamic) scheduler, with and without
+    context copy, on prompts never trained on; and they accept drafts (tau above 1.5)."""
+    from cadence.methods import Method, MethodSpec, make_engine
+    bb = default_backbone
+    cfg = GenerationConfig(max_new_tokens=48)
+    new = steps = 0
+    for copy in (True, False):
+        engine = make_engine(bb, MethodSpec(method=Method(kind), heads=heads, copy=copy))
+        for prompt in SHIPPED_PROMPTS:
+            ids = bb.encode_prompt(prompt, chat=True)
+            g = engine.generate(ids, cfg)
+            assert g.tokens == Engine(bb).generate(ids, cfg).tokens, (heads, copy, prompt)
+            new, steps = new + g.stats.new_tokens, steps + g.stats.steps
+    assert new / steps > 1.5

@@ -50,7 +50,9 @@ class MethodSpec:
 
     method: Method = field(default=Method.HYDRA, metadata={
         "help": "vanilla | medusa | hydra | mtp | eagle | mtp-attn | ngram (context copy alone: any model, no heads)"})
-    heads: str = field(default="default", metadata={"help": "default (shipped for the model) | random | path to a heads directory"})
+    heads: str = field(default="default", metadata={
+        "help": "default (shipped for the model and --method) | random | a heads directory | the name of a "
+                "set shipped for the model (SmolLM2: eagle-taps; see the model card)"})
     tree: str = field(default="auto", metadata={"help": "auto (the tree of highest expected tokens/s from the heads' calibrated acceptance and this machine's measured verify latency; may be the root alone), auto-N (N nodes grown from the calibrated acceptance), or a preset: root, chain, chain-D, tree-N"})
     num_heads: int = field(default=3, metadata={"help": "K for --heads random"})
     copy: bool = field(default=True, metadata={"help": "greedy only: rank the context copy (token after the same n-gram earlier) first"})
@@ -98,6 +100,21 @@ def shipped_heads_dir(backbone, kind: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def shipped_names() -> list[str]:
+    """Every heads set shipped for any backbone, by folder name (``eagle``, ``eagle-taps``, ...)."""
+    return sorted({p.parent.name for p in SHIPPED_HEADS.glob("*/*/config.json")})
+
+
+def heads_path(backbone, heads: str) -> Path:
+    """``--heads`` as a directory: a path that exists, else a set shipped for ``backbone`` by
+    name (``eagle-taps`` -> assets/heads/smollm2/eagle-taps), else the path (load_heads says
+    it is not a heads directory)."""
+    path = Path(heads)
+    if path.exists() or "/" in heads:
+        return path
+    return shipped_heads_dir(backbone, heads) or path
+
+
 def resolve_heads(backbone, spec: MethodSpec):
     dtype = decode_dtype(backbone, spec.heads_dtype)
     if spec.heads == "random":
@@ -108,7 +125,7 @@ def resolve_heads(backbone, spec: MethodSpec):
             raise CadenceError(f"no {spec.method.value} heads are shipped for {backbone.name}; "
                                "pass --heads DIR (trained with `cadence train`) or --heads random")
     else:
-        path = Path(spec.heads)
+        path = heads_path(backbone, spec.heads)
     heads = load_heads(path, backbone, dtype=dtype)
     if heads.cfg.kind != spec.method.value:
         raise CadenceError(f"{path} holds {heads.cfg.kind} heads, but --method is {spec.method.value}")

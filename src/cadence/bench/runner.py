@@ -28,7 +28,7 @@ from cadence.bench import tasks as T
 from cadence.bench.peers import PEERS, make_peer
 from cadence.engine import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.methods import Method, MethodSpec, make_engine, shipped_names
 from cadence.verify import Rule
 
 ENGINE_METHODS = tuple(m.value for m in Method)
@@ -149,15 +149,16 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
         spec = MethodSpec(method=Method.NGRAM, tree=tree or "auto", scheduler=scheduler or "auto")
         return MethodEntry((f"ngram:{tree}" if tree else "ngram") + (f"+{scheduler}" if scheduler else ""), "engine", spec)
     if where:
-        if not (Path(where) / "config.json").is_file():
-            raise CadenceError(f"{where} is not a heads directory (no config.json)")
+        if not (Path(where) / "config.json").is_file() and where not in shipped_names():
+            raise CadenceError(f"{where} is not a heads directory (no config.json) nor a shipped set "
+                               f"({', '.join(shipped_names())})")
         heads = where
     elif cfg.heads_dir:
         sub = Path(cfg.heads_dir) / name
         if not (sub / "config.json").is_file():
             raise CadenceError(f"--heads-dir {cfg.heads_dir} has no {name}/ heads directory")
         heads = str(sub)
-    elif heads not in ("default", "random") and not Path(heads).is_dir():
+    elif heads not in ("default", "random", *shipped_names()) and not Path(heads).is_dir():
         raise CadenceError(f"heads directory {heads} does not exist")
     spec = MethodSpec(method=Method(name), heads=heads, tree=tree or "auto",
                       num_heads=cfg.num_heads, heads_seed=cfg.heads_seed, copy=not flag,
