@@ -268,24 +268,31 @@ SHIPPED_PROMPTS = ["Explain what a hash table is.", "Write a Python function tha
                    "Write a short poem about the sea."]
 
 
+def _shipped_tau(bb, specs) -> float:
+    """Generate SHIPPED_PROMPTS with each MethodSpec in ``specs``; assert every output equals
+    plain decoding; return tokens per step pooled over all of them."""
+    from cadence.methods import make_engine
+    cfg = GenerationConfig(max_new_tokens=48)
+    new = steps = 0
+    for spec in specs:
+        engine = make_engine(bb, spec)
+        for prompt in SHIPPED_PROMPTS:
+            ids = bb.encode_prompt(prompt, chat=True)
+            g = engine.generate(ids, cfg)
+            assert g.tokens == Engine(bb).generate(ids, cfg).tokens, (spec, prompt)
+            new, steps = new + g.stats.new_tokens, steps + g.stats.steps
+    return new / steps
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_shipped_heads_are_lossless_and_accept_drafts(kind, default_backbone):
     """The heads shipped for the default model: greedy output identical to vanilla (fp32),
     on prompts never trained on, with their calibrated tree and with a 16-node tree; and
     they do accept drafts (tau above 1.1 pooled over the prompts)."""
-    from cadence.methods import Method, MethodSpec, make_engine
-    bb = default_backbone
-    cfg = GenerationConfig(max_new_tokens=48)
-    new = steps = 0
-    for tree in ("auto", "tree-16"):
-        engine = make_engine(bb, MethodSpec(method=Method(kind), heads="default", tree=tree))
-        for prompt in SHIPPED_PROMPTS:
-            ids = bb.encode_prompt(prompt, chat=True)
-            g = engine.generate(ids, cfg)
-            assert g.tokens == Engine(bb).generate(ids, cfg).tokens, (kind, tree, prompt)
-            new, steps = new + g.stats.new_tokens, steps + g.stats.steps
-    assert new / steps > 1.1
+    from cadence.methods import Method, MethodSpec
+    specs = [MethodSpec(method=Method(kind), heads="default", tree=tree) for tree in ("auto", "tree-16")]
+    assert _shipped_tau(default_backbone, specs) > 1.1
 
 
 @pytest.mark.slow
@@ -295,15 +302,6 @@ def test_shipped_attention_heads_are_lossless(kind, heads, default_backbone):
     """The attention-bearing sets shipped for the default model (by name for the variants):
     greedy output identical to vanilla with the default (dynamic) scheduler, with and without
     context copy, on prompts never trained on; and they accept drafts (tau above 1.5)."""
-    from cadence.methods import Method, MethodSpec, make_engine
-    bb = default_backbone
-    cfg = GenerationConfig(max_new_tokens=48)
-    new = steps = 0
-    for copy in (True, False):
-        engine = make_engine(bb, MethodSpec(method=Method(kind), heads=heads, copy=copy))
-        for prompt in SHIPPED_PROMPTS:
-            ids = bb.encode_prompt(prompt, chat=True)
-            g = engine.generate(ids, cfg)
-            assert g.tokens == Engine(bb).generate(ids, cfg).tokens, (heads, copy, prompt)
-            new, steps = new + g.stats.new_tokens, steps + g.stats.steps
-    assert new / steps > 1.5
+    from cadence.methods import Method, MethodSpec
+    specs = [MethodSpec(method=Method(kind), heads=heads, copy=copy) for copy in (True, False)]
+    assert _shipped_tau(default_backbone, specs) > 1.5
