@@ -5,10 +5,13 @@ Writes OUT/manifest.json (the store's manifest with the chosen shards) and symli
 shards, so ``cadence train --data OUT`` reads only those. Keeps every val shard (held-out
 numbers stay comparable with runs on the whole store) and, of the train shards, the first
 ``--first`` and every ``--every``-th (an even spread over the store's sources and ages), or
-with ``--since N`` the train shards from the N-th on (those a shipped drafter never saw).
+with ``--since N`` the train shards from the N-th on (those a shipped drafter never saw), with
+``--until N`` only those before the N-th (combine with ``--every``), and ``--val N`` keeps only
+the first N val shards (enough for ``--eval-rows``: a cache for fewer shards builds sooner).
 
 Usage (session 16): python scripts/subset_store.py data/selfdistill/smollm2 runs/s16/sub --every 8 --first 2
 Usage (session 18): python scripts/subset_store.py data/selfdistill/smollm2 runs/s18/new --since 109
+Usage (session 21): python scripts/subset_store.py data/selfdistill/smollm2 runs/s21/mix --until 81 --every 4 --val 8
 """
 
 import argparse
@@ -25,15 +28,19 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=0, help="and the first N train shards")
     ap.add_argument("--since", type=int, default=None,
                     help="keep only the train shards from the N-th on (overrides --every / --first)")
+    ap.add_argument("--until", type=int, default=None, help="keep only train shards before the N-th")
+    ap.add_argument("--val", type=int, default=None, help="keep only the first N val shards (default: all)")
     args = ap.parse_args()
     src, out = Path(args.store).resolve(), Path(args.out)
     m = json.loads((src / "manifest.json").read_text())
     train = [s["file"] for s in m["shards"] if s.get("split", "train") == "train"]
+    if args.until is not None:
+        train = train[:args.until]
     if args.since is not None:
         keep = set(train[args.since:])
     else:
         keep = set(train[:args.first]) | set(train[::max(1, args.every)])
-    keep |= {s["file"] for s in m["shards"] if s.get("split") == "val"}
+    keep |= set([s["file"] for s in m["shards"] if s.get("split") == "val"][:args.val])
     out.mkdir(parents=True, exist_ok=True)
     for name in keep:
         if not (out / name).exists():

@@ -75,6 +75,26 @@ def test_summarize_cell():
     assert M.summarize(mine, None)["speedup"] is None
 
 
+def test_slow_generations_are_noted_by_their_mean_step():
+    """Session 21: one hydra generation at 2.5x its method's usual step time (another process
+    on the CPU) went unnoticed into the report; the report now names such generations."""
+    def gen(key, method, secs):
+        return rec(key, method, steps=len(secs), log={"seconds": secs, "accepted": [0] * len(secs)})
+
+    usual = [gen(f"p{i}", "hydra", [0.020 + 0.001 * i] * 10) for i in range(9)]
+    spiky = gen("bad", "hydra", [0.020] * 8 + [0.25, 0.25])  # median step 20 ms, mean 66 ms
+    mild = gen("ok", "hydra", [0.032] * 10)  # 1.3x: the spread prompts give
+    short = gen("short", "hydra", [0.5] * 3)  # too few steps to judge
+    vanilla = [gen(f"p{i}", "vanilla", [0.016] * 10) for i in range(3)] + [rec("peer", "llama.cpp")]
+    slow = M.slow_generations(usual + [spiky, mild, short] + vanilla)
+    assert [(g["method"], g["key"]) for g in slow] == [("hydra", "bad")]
+    # typical = median of 11 means (0.020 .. 0.028, 0.032, 0.066) = 0.025 -> 0.066 / 0.025
+    assert slow[0]["ratio"] == pytest.approx(0.066 / 0.025, rel=1e-6)
+    notes = report.timing_notes(usual + [spiky])
+    assert len(notes) == 1 and "hydra on t:bad" in notes[0] and "--drop t:bad" in notes[0]
+    assert report.timing_notes(usual + vanilla) == []
+
+
 # ---------------------------------------------------------------- GSM8K
 
 @pytest.mark.parametrize("reply,want", [

@@ -19,6 +19,8 @@ Conventions (METHODS.md section 7):
 - repetition ratio = 1 - distinct 4-grams / total 4-grams of one generation's tokens; the
   task figure is the mean over generations with at least one 4-gram.
 - score = mean of the per-generation scores (pass@1 / accuracy).
+- slow generation = mean step time over 2x the method's median (``slow_generations``): the
+  report notes it, as a sign that something else ran on the CPU.
 """
 
 from __future__ import annotations
@@ -115,6 +117,36 @@ def mean_repetition(records: Iterable[dict], n: int = 4) -> float | None:
 
 def task_score(records: Iterable[dict]) -> float | None:
     return mean(r.get("score") for r in records)
+
+
+def _median(values: Sequence[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def slow_generations(records: Iterable[dict], factor: float = 2.0, min_steps: int = 8) -> list[dict]:
+    """Generations whose mean step took over ``factor`` x their method's median mean step.
+
+    A method's mean step time moves little from prompt to prompt (at most 1.5x over five
+    runs of sessions 16-21, 128 new tokens), so a generation at 2x or more was most likely
+    slowed by something else on the CPU, and its speedup is not the method's. Example:
+    session 21, hydra: mean steps of 21-32 ms on 39 prompts, 59 ms on one (a few 0.2 s
+    steps while another process ran) -> that one is listed, ratio 59 / 23.4 = 2.5.
+    Returns [{"method", "task", "key", "ratio"}], worst first; generations without a step
+    log or with fewer than ``min_steps`` steps are not judged.
+    """
+    by: dict[str, list[tuple[dict, float]]] = {}
+    for r in records:
+        secs = (r.get("step_log") or {}).get("seconds") or []
+        if len(secs) >= min_steps:
+            by.setdefault(r["method"], []).append((r, sum(secs) / len(secs)))
+    out = []
+    for method, gens in by.items():
+        typical = _median([m for _, m in gens])
+        for r, m in gens:
+            if typical > 0 and m > factor * typical:
+                out.append({"method": method, "task": r.get("task"), "key": r["key"], "ratio": m / typical})
+    return sorted(out, key=lambda x: -x["ratio"])
 
 
 def summarize(records: list[dict], baseline: list[dict] | None, compare_outputs: bool = True) -> dict:

@@ -71,6 +71,13 @@ def flags_for(summary: dict, methods, cfg: dict) -> list[str]:
     return flags
 
 
+def timing_notes(records: list[dict]) -> list[str]:
+    """A note per generation that ran much slower per step than its method usually does."""
+    return [f"timing: the steps of {g['method']} on {g['task']}:{g['key']} took {g['ratio']:.1f}x as long as "
+            "that method's usually do (something else on the CPU?); recompute without that prompt: "
+            f"python benchmarks/ratios.py OUT --drop {g['task']}:{g['key']}" for g in M.slow_generations(records)]
+
+
 def write_all(out: Path, cfg: dict, records: list[dict], methods, labels: list[str], task_info: dict,
               notes: list[str], backbone_name: str, plots: bool = True) -> dict:
     out = Path(out)
@@ -83,6 +90,7 @@ def write_all(out: Path, cfg: dict, records: list[dict], methods, labels: list[s
     if not greedy:
         notes.append("sampling run (T > 0): identical-output rate is defined against greedy decoding "
                      "and is not reported")
+    notes += timing_notes(records)
     results = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": cfg.get("command"),

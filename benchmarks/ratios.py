@@ -1,0 +1,83 @@
+"""Speedups of a finished bench run recomputed from its per-generation records, optionally
+without some prompts (e.g. a generation disturbed by another process), and ratios between
+methods.
+
+Reads ``records.jsonl`` (or ``records.jsonl.gz``) of a ``cadence bench --out`` directory and
+pools tokens / wall time exactly as the report does (``cadence.bench.metrics``): speedup of a
+method = its pooled tokens/s over vanilla's on the generations both have. ``--drop TASK:KEY``
+removes that prompt's generations for every method (so the ratios stay paired); ``--ratio A B``
+prints speedup(A) / speedup(B) too.
+
+Usage (session 21, the disturbed hydra generation of the scheduler run)::
+
+    python benchmarks/ratios.py benchmarks/results/bench-smollm2-epyc-s21-sched \
+        --drop sharegpt:sharegpt:ZSF9WtY_0 --ratio hydra+entmtp hydra+static
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from cadence.bench import metrics as M  # noqa: E402
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """The run's records, from records.jsonl or records.jsonl.gz."""
+    plain, packed = run_dir / "records.jsonl", run_dir / "records.jsonl.gz"
+    if plain.exists():
+        lines = plain.read_text().splitlines()
+    elif packed.exists():
+        lines = gzip.decompress(packed.read_bytes()).decode().splitlines()
+    else:
+        raise SystemExit(f"error: {run_dir} has no records.jsonl(.gz)")
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def speedups(records: list[dict], drop: set[tuple[str, str]] = frozenset()) -> dict[str, float | None]:
+    """{method: speedup over vanilla pooled over every kept generation}."""
+    kept = [r for r in records if (r["task"], r["key"]) not in drop]
+    by: dict[str, list[dict]] = {}
+    for r in kept:
+        by.setdefault(r["method"], []).append(r)
+    base = by.get("vanilla")
+    if not base:
+        raise SystemExit("error: the run has no vanilla generations to compare with")
+    return {m: M.speedup(recs, base) for m, recs in by.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", type=Path, help="a cadence bench --out directory")
+    ap.add_argument("--drop", nargs="*", default=[], metavar="TASK:KEY",
+                    help="prompts left out for every method (task, then the record's key)")
+    ap.add_argument("--ratio", nargs=2, action="append", default=[], metavar=("A", "B"),
+                    help="also print speedup(A) / speedup(B)")
+    args = ap.parse_args(argv)
+    drop = set()
+    for item in args.drop:
+        task, sep, key = item.partition(":")
+        if not sep or not key:
+            ap.error(f"--drop takes TASK:KEY, got {item!r}")
+        drop.add((task, key))
+    records = read_records(args.run)
+    missing = drop - {(r["task"], r["key"]) for r in records}
+    if missing:
+        ap.error(f"no generations for {', '.join(':'.join(d) for d in sorted(missing))} in {args.run}")
+    ups = speedups(records, drop)
+    for m, s in ups.items():
+        print(f"{m:32s} {s:.3f}x" if s is not None else f"{m:32s} -")
+    for a, b in args.ratio:
+        if ups.get(a) is None or ups.get(b) is None:
+            ap.error(f"--ratio {a} {b}: both must be methods of the run ({', '.join(ups)})")
+        print(f"{a} / {b} = {ups[a] / ups[b]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
