@@ -17,26 +17,21 @@ Usage (session 21, the disturbed hydra generation of the scheduler run)::
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from cadence.bench import metrics as M  # noqa: E402
+from cadence.bench import runner  # noqa: E402
 
 
 def read_records(run_dir: Path) -> list[dict]:
     """The run's records, from records.jsonl or records.jsonl.gz."""
-    plain, packed = run_dir / "records.jsonl", run_dir / "records.jsonl.gz"
-    if plain.exists():
-        lines = plain.read_text().splitlines()
-    elif packed.exists():
-        lines = gzip.decompress(packed.read_bytes()).decode().splitlines()
-    else:
-        raise SystemExit(f"error: {run_dir} has no records.jsonl(.gz)")
-    return [json.loads(line) for line in lines if line.strip()]
+    for name in ("records.jsonl", "records.jsonl.gz"):
+        if (run_dir / name).is_file():
+            return runner.read_records(run_dir / name)
+    raise SystemExit(f"error: {run_dir} has no records.jsonl(.gz)")
 
 
 def speedups(records: list[dict], drop: set[tuple[str, str]] = frozenset()) -> dict[str, float | None]:

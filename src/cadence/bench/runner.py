@@ -16,6 +16,7 @@ that make records comparable (model, token budget, sampling, heads) are kept in
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -205,11 +206,13 @@ def validate(cfg: BenchConfig) -> list[MethodEntry]:
 # ---------------------------------------------------------------- records
 
 def read_records(path: Path) -> list[dict]:
-    """Records of ``records.jsonl``; a torn last line (interrupted write) is ignored."""
+    """Records of ``records.jsonl`` (or a gzipped copy, ``records.jsonl.gz``, as results are
+    kept in the repo); a torn last line (interrupted write) is ignored."""
     if not path.is_file():
         return []
     out = []
-    with open(path, encoding="utf-8") as fh:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
         for line in fh:
             try:
                 out.append(json.loads(line))
