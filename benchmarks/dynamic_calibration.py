@@ -9,7 +9,7 @@ copied run) the acceptance given the parent was accepted against the mean value 
 (node value / parent value). A calibrated drafter has both columns equal; the latency-cut
 tree size (``dynamic_tree.best_size``) relies on it.
 
-Usage:  python benchmarks/dynamic_calibration.py --method eagle [--no-copy] [--shard data/selfdistill/smollm2/shard-00149.npz --shard-prompts 10]
+Usage:  python benchmarks/dynamic_calibration.py --method eagle [--heads eagle-taps] [--no-copy] [--shard data/selfdistill/smollm2/shard-00149.npz --shard-prompts 10]
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--method", default="eagle")
+    ap.add_argument("--heads", default="default", help="heads directory or shipped name (eagle-taps)")
     ap.add_argument("--no-copy", action="store_true")
     ap.add_argument("--shard", default="", help="a val shard of the store whose prompts are added")
     ap.add_argument("--shard-prompts", type=int, default=10)
@@ -93,7 +94,8 @@ def main() -> None:
     ap.add_argument("--out", default="", help="write the tallies as JSON here")
     args = ap.parse_args()
     bb = load_backbone(args.model, "auto")
-    eng = make_engine(bb, MethodSpec(method=Method(args.method), copy=not args.no_copy, scheduler="dynamic"))
+    eng = make_engine(bb, MethodSpec(method=Method(args.method), heads=args.heads, copy=not args.no_copy,
+                                           scheduler="dynamic"))
     prompts = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
     if args.shard:
         prompts += shard_prompts(args.shard, args.shard_prompts)
@@ -124,7 +126,7 @@ def main() -> None:
     finally:
         engine_mod.Request.finish_step = real_finish
         dt.to_draft = ORIG_TO_DRAFT
-    print(f"Machine: {machine_line(machine_info())}; {args.method}, copy {not args.no_copy}, {len(prompts)} prompts\n")
+    print(f"Machine: {machine_line(machine_info())}; {args.method} ({args.heads}), copy {not args.no_copy}, {len(prompts)} prompts\n")
     print("| node value | nodes | mean value | accepted |")
     print("|---|---:|---:|---:|")
     for b in sorted(rec.bins):
@@ -136,7 +138,7 @@ def main() -> None:
         print(f"| {kind} | {n} | {a / n:.3f} | {s / n:.3f} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": machine_info(), "method": args.method,
+        Path(args.out).write_text(json.dumps({"machine": machine_info(), "method": args.method, "heads": args.heads,
                                               "copy": not args.no_copy, "prompts": len(prompts),
                                               "bins": {f"{b / 10:.1f}": v for b, v in sorted(rec.bins.items())},
                                               "kinds": dict(rec.kinds)}, indent=2) + "\n")
