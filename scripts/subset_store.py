@@ -7,7 +7,9 @@ numbers stay comparable with runs on the whole store) and, of the train shards, 
 ``--first`` and every ``--every``-th (an even spread over the store's sources and ages), or
 with ``--since N`` the train shards from the N-th on (those a shipped drafter never saw), with
 ``--until N`` only those before the N-th (combine with ``--every``), and ``--val N`` keeps only
-the first N val shards (enough for ``--eval-rows``: a cache for fewer shards builds sooner).
+the first N val shards (a cache for fewer shards builds sooner, but held-out rows are packed
+from the shards kept, so the training log's held-out figures are then not comparable with runs
+on every val shard: session 21 evaluated on all of them afterwards, model card).
 
 Usage (session 16): python scripts/subset_store.py data/selfdistill/smollm2 runs/s16/sub --every 8 --first 2
 Usage (session 18): python scripts/subset_store.py data/selfdistill/smollm2 runs/s18/new --since 109
