@@ -26,6 +26,7 @@ Conventions (METHODS.md section 7):
 from __future__ import annotations
 
 from collections import Counter
+from statistics import median
 from typing import Iterable, Sequence
 
 
@@ -119,11 +120,6 @@ def task_score(records: Iterable[dict]) -> float | None:
     return mean(r.get("score") for r in records)
 
 
-def _median(values: Sequence[float]) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
 def slow_generations(records: Iterable[dict], factor: float = 2.0, min_steps: int = 8) -> list[dict]:
     """Generations whose mean step took over ``factor`` x their method's median mean step.
 
@@ -142,7 +138,7 @@ def slow_generations(records: Iterable[dict], factor: float = 2.0, min_steps: in
             by.setdefault(r["method"], []).append((r, sum(secs) / len(secs)))
     out = []
     for method, gens in by.items():
-        typical = _median([m for _, m in gens])
+        typical = median(m for _, m in gens)
         for r, m in gens:
             if typical > 0 and m > factor * typical:
                 out.append({"method": method, "task": r.get("task"), "key": r["key"], "ratio": m / typical})
