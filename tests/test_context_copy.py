@@ -1,5 +1,6 @@
 """Context copy: the n-gram index, candidate merging, and decoding with copies (greedy
-stays byte-identical to plain decoding; sampling never uses copies)."""
+stays byte-identical to plain decoding; at T > 0 copies are point-mass proposals, whose
+distribution tests are in test_sampling_lossless)."""
 
 import pytest
 import torch
@@ -107,13 +108,39 @@ def test_copies_are_accepted_and_output_is_unchanged(looping, tree):
     assert g.stats.tau > 0.6 * (tree_c.max_depth + 1), (g.stats.tau, tree_c.max_depth)
 
 
-def test_sampling_cuts_copy_trees_to_the_heads(llama):
-    ids, _ = reference(llama)
+def test_sampled_drafts_put_the_copy_first_as_a_point_mass(llama):
+    """T > 0: the copy is rank 0 and in ``Draft.fixed``; the heads' draws beside it come from q
+    without the copy's token (q's row records that); levels past K hold copies alone."""
     heads = new_heads("hydra", llama, K, random=True, seed=1)
+    context = [10, 11, 12, 13, 10, 11, 12, 13, 10, 11]
+    root = 12  # ... 10 11 12 -> copies continue 13 10 11 12 13 ...
+    tree = compile_tree(preset("chain", 6) + [(1,), (2,)])
     drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
-    assert drafter.max_depth(SamplingParams()) == 6 and drafter.max_depth(SamplingParams(0.7)) == K
-    eng = spec_engine(llama, drafter, compile_tree(preset("chain", 6), name="deep"))
-    g = eng.generate(ids, GenerationConfig(max_new_tokens=N, temperature=0.7, seed=3))
-    log = g.stats.step_log
-    assert len(g.tokens) == N and all(i.depth == K and i.nodes == K + 1 for i in log if "@" not in i.planned[4:])
-    assert all(i.depth <= K for i in log) and sum(i.depth == K for i in log) >= len(log) - 2  # cut near the end
+    assert drafter.max_depth(SamplingParams(0.7)) == 6
+    g = torch.Generator().manual_seed(0)
+    d = drafter.draft(tree, root, torch.zeros(llama.hidden_size), context, SamplingParams(1.0), g,
+                      drafter.new_index())
+    chain_nodes = [i for i, p in enumerate(tree.paths, 1) if set(p) == {0}]
+    assert [int(d.tokens[i]) for i in chain_nodes] == [13, 10, 11, 12, 13, 10]
+    assert d.fixed == frozenset(chain_nodes)  # every copy, and nothing the heads drew
+    siblings = [tree.paths.index((r,)) + 1 for r in (1, 2)]
+    assert all(int(d.tokens[i]) != 13 for i in siblings)
+    assert float(d.q[0, 13]) == 0.0 and abs(float(d.q[0].sum()) - 1.0) < 1e-5
+    # without a copy the heads draw from their whole q and nothing is fixed
+    d2 = HeadDrafter(heads).draft(compile_tree([(0,), (1,)]), root, torch.zeros(llama.hidden_size), context,
+                                  SamplingParams(1.0), g)
+    assert d2.fixed == frozenset() and float(d2.q[0, 13]) > 0.0
+
+
+def test_sampled_copies_are_accepted_on_a_looping_model(looping):
+    """T > 0 on a model that cycles: copies are right while the sample stays in the cycle (the
+    cycle is in the context), so tau rises above what random heads reach alone."""
+    ids, _ = reference(looping, n=64)
+    heads = new_heads("hydra", looping, K, random=True, seed=2)
+    cfg = GenerationConfig(max_new_tokens=64, temperature=0.02, seed=5)  # near-greedy: stays in the cycle
+    tree = compile_tree(preset("chain", 6), name="chain-6")
+    g = spec_engine(looping, HeadDrafter(heads, CopyConfig(), copy_depth=6), tree).generate(ids, cfg)
+    plain = spec_engine(looping, HeadDrafter(heads), compile_tree(preset("chain", K))).generate(ids, cfg)
+    assert len(g.tokens) == len(plain.tokens) == 64
+    assert plain.stats.tau < 1.5 and g.stats.tau > 1.5, (plain.stats.tau, g.stats.tau)
+    assert g.stats.accepted_at_depth[K] > 0  # past the heads' K only copies exist

@@ -23,12 +23,14 @@ def test_copies_fill_the_chain_as_far_as_they_exist():
     assert short.tokens.tolist() == [4] and short.tree.size == 1  # no copy after ... 6 4: the root alone
 
 
-def test_only_the_first_rank_gets_a_copy_and_sampling_drafts_nothing():
+def test_only_the_first_rank_gets_a_copy_at_any_temperature():
     d = CopyDrafter(depth=2)
     tree = compile_tree([(0,), (1,), (0, 0)])
     out = d.draft(tree, 6, torch.zeros(4), [5, 6, 7, 3, 5], SamplingParams(), None, None)
     assert out.tokens.tolist() == [6, 7, 3] and out.tree.size == 3  # the rank-1 sibling is dropped
-    assert d.max_depth(SamplingParams(temperature=0.7)) == 0 and d.max_depth(SamplingParams()) == 2
+    assert d.max_depth(SamplingParams(temperature=0.7)) == d.max_depth(SamplingParams()) == 2
+    sampled = d.draft(tree, 6, torch.zeros(4), [5, 6, 7, 3, 5], SamplingParams(0.7), None, None)
+    assert sampled.tokens.tolist() == [6, 7, 3] and sampled.q is None  # point masses: no q
 
 
 def test_ngram_is_lossless_and_accepts_copies():
@@ -44,7 +46,7 @@ def test_ngram_is_lossless_and_accepts_copies():
     assert ngram.stats.steps < len(plain.tokens)  # copies were accepted
     sampled = make_engine(bb, MethodSpec(method=Method.NGRAM)).generate(
         prompt, GenerationConfig(max_new_tokens=12, temperature=0.8, seed=3))
-    assert len(sampled.tokens) == 12 and sampled.stats.steps == 12  # T > 0: plain decoding
+    assert len(sampled.tokens) == 12  # T > 0: copies verified as point masses (test_sampling_lossless)
 
 
 @pytest.mark.parametrize("spec, match", [

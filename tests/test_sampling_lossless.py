@@ -37,11 +37,11 @@ def small():
     return {arch: tiny_backbone(arch, vocab=V, tokenizer=False, seed=1) for arch in ("llama", "qwen2")}
 
 
-def exact_joint(bb, sampling: SamplingParams) -> np.ndarray:
-    """P(x1, x2, x3 | PROMPT) under plain sampling, shape (V, V, V)."""
-    seqs = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(V), repeat=2)])
+def exact_joint(bb, sampling: SamplingParams, prompt=PROMPT) -> np.ndarray:
+    """P(x1, x2, x3 | prompt) under plain sampling, shape (V, V, V)."""
+    seqs = torch.tensor([prompt + [a, b] for a, b in itertools.product(range(V), repeat=2)])
     logits = bb.forward(seqs).logits  # (V*V, len+2, V)
-    L = len(PROMPT)
+    L = len(prompt)
     p1 = probs(logits[0, L - 1], sampling).double()  # (V,)
     p2 = probs(logits[::V, L], sampling).double()  # (V, V): row a = p(x2 | x1 = a)
     p3 = probs(logits[:, L + 1], sampling).double().reshape(V, V, V)  # p(x3 | a, b)
@@ -50,11 +50,11 @@ def exact_joint(bb, sampling: SamplingParams) -> np.ndarray:
     return joint.numpy()
 
 
-def sample_joint(engine, cfg: GenerationConfig, n: int):
+def sample_joint(engine, cfg: GenerationConfig, n: int, prompt=PROMPT):
     counts = np.zeros((V, V, V))
     taus = []
     for seed in range(n):
-        g = engine.generate(PROMPT, GenerationConfig(max_new_tokens=N_NEW, temperature=cfg.temperature,
+        g = engine.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, temperature=cfg.temperature,
                                                      top_p=cfg.top_p, top_k=cfg.top_k, seed=seed))
         assert len(g.tokens) == N_NEW
         counts[tuple(g.tokens)] += 1
@@ -79,9 +79,9 @@ def gof(counts: np.ndarray, expected_p: np.ndarray, what: str) -> None:
     assert pval > ALPHA, f"{what}: chi2 {stat:.1f} over {len(obs_b)} bins, p = {pval:.2e}"
 
 
-def check_lossless(engine, bb, cfg, n=SAMPLES):
-    joint = exact_joint(bb, cfg.sampling)
-    counts, tau = sample_joint(engine, cfg, n)
+def check_lossless(engine, bb, cfg, n=SAMPLES, prompt=PROMPT):
+    joint = exact_joint(bb, cfg.sampling, prompt)
+    counts, tau = sample_joint(engine, cfg, n, prompt)
     gof(counts, joint, "joint(x1,x2,x3)")
     gof(counts.sum(axis=(0, 2)), joint.sum(axis=(0, 2)), "marginal x2")
     gof(counts.sum(axis=(0, 1)), joint.sum(axis=(0, 1)), "marginal x3")
@@ -183,3 +183,58 @@ def test_context_vocabulary_sampling_is_lossless(small):
     eng = Engine(bb, drafter, StaticScheduler.from_preset("tree-4", 3))
     tau = check_lossless(eng, bb, GenerationConfig(temperature=1.0), n=600)
     assert tau > 1.0
+
+
+def de_bruijn_prompt() -> list[int]:
+    """A prompt holding every bigram of the 8 tokens (a de Bruijn sequence, 65 tokens), so a
+    context copy exists after every root and along every drafted path."""
+    seq, seen, cur = [0], set(), 0
+    while len(seen) < V * V:
+        nxt = next(b for b in reversed(range(V)) if (cur, b) not in seen)
+        seen.add((cur, nxt))
+        seq.append(nxt)
+        cur = nxt
+    return seq
+
+
+class FixedCounter:
+    """Wraps a drafter; counts the point-mass (copy) proposals it makes at T > 0."""
+
+    def __init__(self, inner):
+        self.inner, self.fixed, self.drafts = inner, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, *args, **kw):
+        d = self.inner.draft(*args, **kw)
+        self.fixed += len(d.fixed)
+        self.drafts += 1
+        return d
+
+
+def test_sampled_context_copies_are_lossless(small):
+    """Context copies at T > 0: a point-mass proposal first, then head draws from q without
+    the copy's token, copies alone past the heads (depth 4 > K = 3); still plain sampling."""
+    from cadence.context_copy import CopyConfig
+
+    bb = small["llama"]
+    prompt = de_bruijn_prompt()
+    heads = new_heads("hydra", bb, 3, random=True, seed=4)
+    drafter = FixedCounter(HeadDrafter(heads, CopyConfig(), copy_depth=4))
+    tree = compile_tree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)], name="copy-tree")
+    eng = Engine(bb, drafter, StaticScheduler(tree))
+    tau = check_lossless(eng, bb, GenerationConfig(temperature=0.9, top_k=6), n=700, prompt=prompt)
+    assert drafter.fixed >= drafter.drafts  # a copy in every draft (the 3-token budget cuts the tree to 2 levels)
+    assert tau > 1.2
+
+
+def test_sampled_ngram_is_lossless(small):
+    """The copy-only drafter (``--method ngram``) at T > 0: every draft a point mass."""
+    from cadence.methods import Method, MethodSpec, make_engine
+
+    bb = small["qwen2"]
+    prompt = de_bruijn_prompt()
+    eng = make_engine(bb, MethodSpec(method=Method.NGRAM))
+    tau = check_lossless(eng, bb, GenerationConfig(temperature=1.0, top_p=0.9), n=700, prompt=prompt)
+    assert tau > 1.0  # some copies accepted (each with the backbone's probability of its token)

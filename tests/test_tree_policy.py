@@ -48,18 +48,19 @@ def test_margin_keeps_the_root_for_tiny_gains():
     assert best_tree(table, curve, 0.0, 1, 1, margin=0.0).paths == [(0,)]
 
 
-def test_tree_is_resolved_per_request_sampling(llama):
-    """A greedy request gets the copy tree (deeper than K), a sampled one the heads' own."""
+def test_tree_follows_the_drafters_copies_at_any_temperature(llama):
+    """A drafter with copies gets the copy tree (deeper than K), greedy or sampled (copies are
+    point-mass proposals at T > 0); one without gets the heads' own."""
     heads = new_heads("hydra", llama, 3, random=True)
     heads.policy.acceptance = TABLE
     heads.policy.copy_acceptance = TABLE + [[0.8, 0.0, 0.0]] * 3  # past K: the copy only
-    drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
     flat = LatencyCurve([1, 64], [0.01, 0.01])
-    policy = TreePolicy("auto", heads, drafter, flat)
+    policy = TreePolicy("auto", heads, HeadDrafter(heads, CopyConfig(), copy_depth=6), flat)
     greedy, sampled = policy.tree_for(SamplingParams()), policy.tree_for(SamplingParams(temperature=0.7))
-    assert greedy.name.endswith("+copy") and greedy.max_depth == 6
-    assert not sampled.name.endswith("+copy") and sampled.max_depth <= 3
-    assert list(sampled.paths) == best_tree(TABLE, flat, 0.0, 3, 3).paths
+    assert greedy.name.endswith("+copy") and greedy.max_depth == 6 and sampled.paths == greedy.paths
+    own = TreePolicy("auto", heads, HeadDrafter(heads), flat).tree_for(SamplingParams(temperature=0.7))
+    assert not own.name.endswith("+copy") and own.max_depth <= 3
+    assert list(own.paths) == best_tree(TABLE, flat, 0.0, 3, 3).paths
     assert GenerationConfig(temperature=0.7).sampling == SamplingParams(temperature=0.7)
 
 

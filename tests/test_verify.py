@@ -176,3 +176,47 @@ def test_rules_registry():
     assert Rule.GREEDY.lossless(t0) and not Rule.GREEDY.lossless(t1)
     assert all(r.lossless(t) for r in (Rule.SPECULATIVE, Rule.AUTO) for t in (t0, t1))
     assert str(Rule.TYPICAL) == "typical" and Rule("speculative") is Rule.SPECULATIVE
+
+
+@pytest.mark.parametrize("copy", [1, 4])
+def test_speculative_copy_point_mass_then_draws_from_q_without_it(copy):
+    """A context copy at T > 0 (node 1 in ``fixed``: a point mass) then two head draws from q
+    with the copy's token taken out (what ``HeadDrafter`` does): emission still follows p,
+    and the copy alone is accepted with probability p(copy)."""
+    tree = compile_tree([(0,), (1,), (2,)])
+    q_wo = Q.clone()
+    q_wo[copy] = 0.0
+    q_wo /= q_wo.sum()
+    g = torch.Generator().manual_seed(copy)
+    logits = torch.zeros(tree.size, V)
+    logits[0] = logits_of(P)
+    qmat = torch.zeros(tree.size, V)
+    qmat[0] = q_wo
+    ctx = VerifyContext(SamplingParams(temperature=1.0), qmat, g, fixed=frozenset({1}))
+    counts, copy_hits, n = np.zeros(V), 0, 6000
+    for _ in range(n):
+        tokens = torch.zeros(tree.size, dtype=torch.long)
+        tokens[1] = copy
+        tokens[2:] = torch.multinomial(q_wo, 2, replacement=True, generator=g)
+        v = speculative(tree, tokens, logits, ctx)
+        counts[first_token(v, tokens)] += 1
+        copy_hits += v.path[1:2] == [1]
+    assert_distribution(counts, P)
+    assert copy_hits / n == pytest.approx(float(P[copy]), abs=0.02)
+
+
+def test_speculative_copy_worked_example():
+    """The docstring's example: p = (.6, .3, .1), copy of token 1, one draw (token 0) from
+    q = (1, 0, 0): P(token 0) = .7 * 6/7 = .6 exactly; any other q would be wrong here."""
+    p = torch.tensor([0.6, 0.3, 0.1])
+    tree = compile_tree([(0,), (1,)])
+    logits = torch.log(p)[None].repeat(3, 1)
+    tokens = torch.tensor([0, 1, 0])
+    q = torch.zeros(3, 3)
+    q[0, 0] = 1.0
+    g = torch.Generator().manual_seed(0)
+    ctx = VerifyContext(SamplingParams(temperature=1.0), q, g, fixed=frozenset({1}))
+    counts = np.zeros(3)
+    for _ in range(6000):
+        counts[first_token(speculative(tree, tokens, logits, ctx), tokens)] += 1
+    assert_distribution(counts, p.double().numpy())

@@ -9,8 +9,9 @@ request; a node without one is dropped with its subtree, so a step with no copy 
 plain decoding (the root alone) and costs nothing extra.
 
 Knows: the request's token ids (through the ``NgramIndex`` the engine keeps per request).
-Does not know: heads, models, verification. Greedy only: a copy has no distribution q, so
-at T > 0 it drafts nothing (``max_depth`` 0) and the engine decodes plainly.
+Does not know: heads, models, verification. At T > 0 a copy is a point-mass proposal (no q):
+speculative sampling accepts it with the backbone's probability of the token
+(``verify.speculative``), so the output distribution stays that of plain sampling.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class CopyDrafter:
         return NgramIndex(self.copy)
 
     def max_depth(self, sampling: SamplingParams) -> int:
-        return self.copy_depth if sampling.greedy else 0
+        return self.copy_depth
 
     def shadow_copy(self, root: int, context, copies: NgramIndex | None) -> int | None:
         """The copy after ``root``, without drafting a tree (schedulers' shadow drafts)."""

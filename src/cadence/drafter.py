@@ -4,9 +4,10 @@
 batched over every node that has children, on the state of that node's path.
 At T = 0 children are the head's top-ranked tokens; at T > 0 they are independent
 draws from the head's distribution q (the same sampling parameters as the backbone),
-and q is returned so that verification can be lossless. With context copy (greedy
-only) a node's candidates start with the token that followed the same n-gram earlier
-in the request, and levels deeper than K are filled by copies alone. With a context
+and q is returned so that verification can be lossless. With context copy a node's
+candidates start with the token that followed the same n-gram earlier in the request,
+and levels deeper than K are filled by copies alone; at T > 0 a copy is a point-mass
+proposal (``Draft.fixed``), the heads' draws beside it come from q without the copy's token. With a context
 vocabulary (``context_vocab``), heads restricted to a draft vocabulary may also propose the
 request's own tokens outside it (``context_vocab.ContextVocabs``).
 
@@ -52,6 +53,7 @@ class Draft:
     q: torch.Tensor | None  # (N+1, V) distribution each node's children were drawn from (T > 0)
     tree: CompiledTree | None = None  # the tree actually filled, when nodes were dropped (else the one asked for)
     copy_nodes: dict | None = None  # dynamic trees: node -> whether its parent is a copy too, for each context copy
+    fixed: frozenset = frozenset()  # T > 0: nodes proposed as a point mass (context copies), not drawn from q
 
 
 class Drafter(Protocol):
@@ -94,8 +96,10 @@ def path_tail(tree: CompiledTree, tokens: list[int], node: int, context, need: i
     return path[-need:]
 
 
-def drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, device) -> Draft:
-    """The draft over the nodes that got a candidate (and whose ancestors all did).
+def drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, device,
+                  fixed: frozenset = frozenset()) -> Draft:
+    """The draft over the nodes that got a candidate (and whose ancestors all did); ``fixed``
+    (point-mass proposals) renumbered with them.
 
     Example: chain (0,), (0,0), (0,0,0) named "c" with no candidate for node 2 -> nodes 2
     and 3 go, Draft.tree is the chain (0,) named "c~2" (2 nodes) and Draft.tokens is
@@ -103,18 +107,20 @@ def drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, 
     for node in range(1, tree.size):  # parents come before children in node order
         filled[node] = filled[node] and filled[tree.parents[node]]
     if all(filled):
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q)
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q, fixed=frozenset(fixed))
     keep = [i for i in range(1, tree.size) if filled[i]]
     sub = compile_tree([tree.paths[i - 1] for i in keep], name=f"{tree.name}~{len(keep) + 1}")
+    new_index = {old: new for new, old in enumerate([0] + keep)}
     return Draft(tokens=torch.tensor([tokens[0]] + [tokens[i] for i in keep], dtype=torch.long, device=device),
-                 q=None if q is None else q[[0] + keep], tree=sub)
+                 q=None if q is None else q[[0] + keep], tree=sub,
+                 fixed=frozenset(new_index[i] for i in fixed if i in new_index))
 
 
 class HeadDrafter:
     """Drafts with trained (or random) MTP heads, optionally with context copies.
 
-    With ``copy`` set and greedy decoding, each node's candidate list is the context
-    copy (``context_copy``) followed by the head's ranked candidates, and tree levels
+    With ``copy`` set, each node's candidate list is the context copy (``context_copy``)
+    followed by the head's ranked candidates (T > 0: its draws), and tree levels
     deeper than K hold copies only. A node past K with no copy is dropped with its
     subtree, and ``Draft.tree`` is the smaller tree: verification then pays only for
     the nodes that carry a candidate.
@@ -181,7 +187,7 @@ class HeadDrafter:
 
     def max_depth(self, sampling: SamplingParams) -> int:
         """Deepest tree level this drafter can fill under ``sampling``."""
-        return self.copy_depth if self.copy is not None and sampling.greedy else self.num_heads
+        return self.copy_depth if self.copy is not None else self.num_heads
 
     @torch.inference_mode()
     def draft(self, tree, root, hidden, context, sampling, generator, copies=None, state=None) -> Draft:
@@ -195,7 +201,7 @@ class HeadDrafter:
         device = hidden.device
         tokens = [root] + [0] * (n - 1)
         q = None
-        copying = copies is not None and sampling.greedy
+        copying = copies is not None
         if copying:
             copies.sync(list(context) + [root])
         attends = getattr(self.heads, "attends", False)
@@ -208,11 +214,14 @@ class HeadDrafter:
             if tree.children[node]:
                 by_depth.setdefault(tree.depths[node], []).append(node)
         filled = [True] * n
+        fixed: set[int] = set()  # T > 0: children holding a context copy (a point-mass proposal)
         for depth in sorted(by_depth):
             nodes = [i for i in by_depth[depth] if filled[i]]
             if not nodes:
                 continue
             widths = [tree.width(i) for i in nodes]
+            found = [copies.lookup(path_tail(tree, tokens, i, context, copies.cfg.max_n)) if copying else None
+                     for i in nodes]
             cands: list[list[int]] = [[] for _ in nodes]
             if depth < self.num_heads:
                 prev = torch.stack([state_of[tree.parents[i]] for i in nodes])
@@ -226,19 +235,18 @@ class HeadDrafter:
                 logits, vocab_ids = self._logits(feats, extra)
                 for j, node in enumerate(nodes):
                     state_of[node] = states[j]
-                cands, q = self._candidates(logits, vocab_ids, nodes, widths, sampling, generator, q, n)
-            if copying:
-                for j, node in enumerate(nodes):
-                    tail = path_tail(tree, tokens, node, context, copies.cfg.max_n)
-                    cands[j] = merge_candidates(copies.lookup(tail), cands[j], widths[j])
+                cands, q = self._candidates(logits, vocab_ids, nodes, widths, sampling, generator, q, n, found)
             for j, node in enumerate(nodes):
+                cands[j] = merge_candidates(found[j], cands[j], widths[j])
                 for child in tree.children[node]:
                     r = tree.ranks[child]
                     if r < len(cands[j]):
                         tokens[child] = cands[j][r]
+                        if r == 0 and found[j] is not None and not sampling.greedy:
+                            fixed.add(child)
                     else:
                         filled[child] = False
-        return drop_unfilled(tree, tokens, filled, q, device)
+        return drop_unfilled(tree, tokens, filled, q, device, frozenset(fixed))
 
     def draft_dynamic(self, spec, root: int, hidden: torch.Tensor, context, limit: int,
                       copies: NgramIndex | None = None, state: DraftState | None = None) -> Draft:
@@ -285,20 +293,49 @@ class HeadDrafter:
         more = (feats.to(w.dtype) @ w.T).float()
         return torch.cat([logits, more], dim=-1), torch.cat([vocab_ids, ids])
 
-    def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n):
-        """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0."""
+    def _candidates(self, logits, vocab_ids, nodes, widths, sampling, generator, q, n, copied=None):
+        """Ranked candidate ids per node: top-k at T = 0, iid draws from q at T > 0.
+
+        logits: (P, V') for the P ``nodes`` (V' the draft vocabulary, ``vocab_ids`` its ids, or
+        None for the whole vocabulary); ``copied``: per node, its context copy or None. At T > 0 a
+        node with a copy gets ``width - 1`` draws from q with the copy's token taken out
+        (renormalised; the copy itself is verified as a point mass, so a draw of the same token
+        could never be accepted), and ``q`` (n, V) records that distribution for the node.
+        Example: q = (.5, .3, .2), copy 0, width 3 -> two draws from (0, .6, .4)."""
+        copied = copied or [None] * len(nodes)
         if sampling.greedy:
             cand = logits.topk(max(widths), dim=-1).indices  # (P, max width)
-        else:
-            dist = probs(logits, sampling)
-            if q is None:
-                q = torch.zeros(n, self.vocab_size, device=logits.device)
-            if vocab_ids is None:
-                q[nodes] = dist
-            else:  # q lives on the full vocabulary, zero outside the draft subset
-                q[nodes] = torch.zeros(len(nodes), self.vocab_size, device=logits.device).index_copy_(
-                    1, vocab_ids, dist)
-            cand = categorical(dist, max(widths), generator)
+            if vocab_ids is not None:
+                cand = vocab_ids[cand]
+            return cand.tolist(), q
+        dist = probs(logits, sampling)  # (P, V')
+        draws = [w - (c is not None) for w, c in zip(widths, copied)]
+        for j, c in enumerate(copied):
+            if c is None:
+                continue
+            col = c if vocab_ids is None else _column(vocab_ids, c)
+            if col is not None:
+                dist[j, col] = 0.0
+            total = float(dist[j].sum())
+            if total <= 1e-12:  # q held nothing but the copy: no draws beside it
+                dist[j] = 1.0 / dist.shape[-1]
+                draws[j] = 0
+            else:
+                dist[j] /= total
+        if q is None:
+            q = torch.zeros(n, self.vocab_size, device=logits.device)
+        if vocab_ids is None:
+            q[nodes] = dist
+        else:  # q lives on the full vocabulary, zero outside the draft subset
+            q[nodes] = torch.zeros(len(nodes), self.vocab_size, device=logits.device).index_copy_(
+                1, vocab_ids, dist)
+        cand = categorical(dist, max(max(draws), 1), generator)  # (P, most draws)
         if vocab_ids is not None:
             cand = vocab_ids[cand]
-        return cand.tolist(), q
+        return [row[:d] for row, d in zip(cand.tolist(), draws)], q
+
+
+def _column(vocab_ids: torch.Tensor, token: int) -> int | None:
+    """Position of ``token`` in a draft vocabulary's ids (V',), None when it is not there."""
+    hit = (vocab_ids == token).nonzero()
+    return int(hit[0, 0]) if len(hit) else None

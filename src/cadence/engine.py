@@ -15,7 +15,7 @@ One step, with ``past`` committed tokens in the cache and ``root`` the backbone'
 next token (not yet in the cache), ``h`` the hidden state that produced it:
   1. stop here if committing ``root`` finishes the request (EOS / max tokens);
   2. plan = scheduler.choose(state); its tree is cut to what the drafter can fill
-     (copies reach deeper than the heads, greedy only), to the tokens still allowed and
+     (copies reach deeper than the heads), to the tokens still allowed and
      to the model's positions; the drafter fills it from (h, root) (a dynamic plan, T = 0:
      the drafter grows the tree itself, ``dynamic_tree``). A root-alone plan
      may ask for a shadow draft (T = 0): the depth-1 top candidate is drafted (one head
@@ -152,6 +152,7 @@ class PendingStep:
     #                                          deferred to a batch (Plan.shadow_batch)
     rows: int = 1  # requests sharing the verify forward (set by a batched engine)
     copy_nodes: dict | None = None  # dynamic trees: node -> parent is a copy too, for each context copy
+    fixed: frozenset = frozenset()  # T > 0: nodes proposed as a point mass (context copies), not drawn from q
 
 
 
@@ -237,7 +238,7 @@ class Request:
         self.generator = torch.Generator(device=bb.device).manual_seed(cfg.seed)
         drafter = engine.drafter
         self.scheduler = engine.new_scheduler(self.sampling) if drafter is not None else None
-        self.copies = drafter.new_index() if drafter is not None and self.sampling.greedy else None
+        self.copies = drafter.new_index() if drafter is not None else None
         # per-request drafter state (attention heads' KV cache); drafters without new_state have none
         new_state = getattr(drafter, "new_state", None)
         self.draft_state = new_state() if new_state is not None else None
@@ -289,9 +290,9 @@ class Request:
         state = StepState(hidden=self.hidden, root_logits=self.root_logits, step=self.stats.steps,
                           new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
         plan = self._plan(state, remaining)
-        tree, tokens, q, copy_nodes = self._draft(plan.tree, plan.dynamic, remaining)
+        tree, tokens, q, copy_nodes, fixed = self._draft(plan.tree, plan.dynamic, remaining)
         shadow, later = self._shadow(plan)
-        return PendingStep(state, plan, tree, tokens, q, t_step, shadow, later, copy_nodes=copy_nodes)
+        return PendingStep(state, plan, tree, tokens, q, t_step, shadow, later, copy_nodes=copy_nodes, fixed=fixed)
 
     def finish_step(self, job: "PendingStep", logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """Steps 4-5 for the verify forward's output over ``job.tree``'s N+1 nodes:
@@ -303,7 +304,8 @@ class Request:
         tree, tokens = job.tree, job.tokens
         logits, hidden = logits[:tree.size], hidden[:tree.size]
         rule = self.rule if job.plan.verify else unverified
-        verdict = rule(tree, tokens, logits, VerifyContext(self.sampling, job.q, self.generator, drift=self.cfg.drift, top_m=self.cfg.top_m))
+        verdict = rule(tree, tokens, logits, VerifyContext(self.sampling, job.q, self.generator, drift=self.cfg.drift,
+                                                           top_m=self.cfg.top_m, fixed=job.fixed))
         self.cache.compact(self.past, verdict.path)
         if self.draft_state is not None:  # the accepted path's true states, root first
             self.engine.drafter.commit(self.draft_state, hidden[verdict.path], tokens[verdict.path])
@@ -377,7 +379,7 @@ class Request:
             if tok is not None or plan.shadow_batch <= 1:
                 return (tok if tok is not None else drafter.shadow_heads(self.hidden[None], [self.root])[0]), None
             return None, self.hidden.clone()
-        tree, tokens, _, _ = self._draft(SHADOW_CHAIN)
+        tree, tokens, _, _, _ = self._draft(SHADOW_CHAIN)
         return (int(tokens[1]) if tree.size == 2 else None), None
 
     def _judge_shadows(self, job: PendingStep, truth: int) -> tuple[bool, ...]:
@@ -397,7 +399,7 @@ class Request:
         return tuple(g == t for g, (_, _, t) in zip(guesses, rows))
 
     def _draft(self, tree, dynamic=None, remaining: int = 0):
-        """(tree that runs, its (N+1,) tokens, q or None, copy nodes or None): the drafter fills
+        """(tree that runs, its (N+1,) tokens, q or None, copy nodes or None, point-mass nodes): the drafter fills
         the tree; nodes it could not fill are gone from the returned tree. ``dynamic``: a
         ``dynamic_tree.DynamicTree`` to grow instead, at T = 0 with head drafters (then
         ``tree`` is ignored), at most ``remaining - 1`` levels deep; its context copies come
@@ -407,13 +409,13 @@ class Request:
         if dynamic is not None and self.sampling.greedy and hasattr(drafter, "draft_dynamic"):
             draft = drafter.draft_dynamic(dynamic, self.root, self.hidden, self.context, remaining - 1,
                                           self.copies, self.draft_state)
-            return draft.tree, draft.tokens, None, draft.copy_nodes
+            return draft.tree, draft.tokens, None, draft.copy_nodes, frozenset()
         if tree.size == 1:
-            return tree, torch.tensor([self.root], device=bb.device), None, None
+            return tree, torch.tensor([self.root], device=bb.device), None, None, frozenset()
         extra = {"state": self.draft_state} if self.draft_state is not None else {}
         draft = self.engine.drafter.draft(tree, self.root, self.hidden, self.context, self.sampling,
                                           self.generator, self.copies, **extra)
-        return draft.tree or tree, draft.tokens, draft.q, None
+        return draft.tree or tree, draft.tokens, draft.q, None, draft.fixed
 
     def _commit(self, committed: list[int], force_done: bool = False) -> list[int]:
         """Append ``committed`` up to the first EOS, the token budget or a stop string."""

@@ -55,7 +55,7 @@ class MethodSpec:
                 "set shipped for the model (SmolLM2: eagle-taps; see the model card)"})
     tree: str = field(default="auto", metadata={"help": "auto (the tree of highest expected tokens/s from the heads' calibrated acceptance and this machine's measured verify latency; may be the root alone), auto-N (N nodes grown from the calibrated acceptance), or a preset: root, chain, chain-D, tree-N"})
     num_heads: int = field(default=3, metadata={"help": "K for --heads random"})
-    copy: bool = field(default=True, metadata={"help": "greedy only: rank the context copy (token after the same n-gram earlier) first"})
+    copy: bool = field(default=True, metadata={"help": "rank the context copy (token after the same n-gram earlier) first (T > 0: verified as a point-mass proposal, still lossless)"})
     copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
     heads_dtype: str = field(default="auto", metadata={
         "help": "dtype the heads draft in: auto (bfloat16 on a bfloat16 backbone, else float32), float32, bfloat16; "

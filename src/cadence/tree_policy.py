@@ -5,9 +5,10 @@ tables (with and without context copy), the verify-latency curve of this machine
 the drafting cost, and how to weigh them. Does not know how trees are drafted or
 verified.
 
-A tree valid for one request may not be for another: context copies exist only at
-T = 0, so a greedy request may run a copy tree deeper than K while a sampled one runs
-a tree of the heads alone, grown from the heads' own table.
+Context copies reach deeper than K, so a request with copies may run a copy tree deeper
+than K, grown from the heads' table with copies; one without runs a tree of the heads
+alone. At T > 0 the tables (measured at T = 0) are an optimistic guide: the adaptive
+schedulers correct them from what each request accepts.
 
 ``auto`` picks, among the trees grown greedily from the acceptance table for every
 node budget (and the root alone, i.e. plain decoding), the one with the highest
@@ -102,7 +103,7 @@ class TreePolicy:
     choices: dict = field(default_factory=dict, repr=False)  # auto: copying -> Choice (for reports)
 
     def tree_for(self, sampling: SamplingParams) -> CompiledTree:
-        copying = self.drafter.copy is not None and sampling.greedy
+        copying = self.drafter.copy is not None
         if copying not in self._cache:
             self._cache[copying] = self._resolve(copying, self.drafter.max_depth(sampling))
         return self._cache[copying]

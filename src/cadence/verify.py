@@ -41,6 +41,7 @@ class VerifyContext:
     typical_alpha: float = 0.3  # typical: entropy-scaled threshold
     drift: float = 1.0  # relaxed: budget DELTA on the cumulative log-prob gap of an accepted chain (nats)
     top_m: int = 3  # relaxed: a draft must be within the backbone's top-M at its parent
+    fixed: frozenset = frozenset()  # nodes proposed as a point mass, not drawn from q (context copies)
 
     def __post_init__(self):
         if not isinstance(self.top_m, int) or isinstance(self.top_m, bool) or self.top_m < 1:
@@ -70,11 +71,21 @@ def greedy(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx: 
 def speculative(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx: VerifyContext) -> Verdict:
     """Lossless speculative sampling over a tree (multi-candidate recursive rejection).
 
-    At a node with backbone distribution p and children x_1..x_m drawn from q:
-    residual r = p; for each child i, accept with prob min(1, r(x_i)/q(x_i)); else
-    r <- norm(max(0, r - q)). If every child is rejected, the bonus is drawn from r.
-    Each child is an independent draw from q, so the emitted token is distributed
-    exactly as p (SpecInfer / EAGLE). With greedy sampling this reduces to ``greedy``.
+    At a node with backbone distribution p and children x_1..x_m, child i proposed from
+    q_i: residual r = p; for each child i, accept with prob min(1, r(x_i)/q_i(x_i)); else
+    r <- norm(max(0, r - q_i)). If every child is rejected, the bonus is drawn from r.
+    Each round is one speculative-sampling step towards r, so the emitted token is
+    distributed exactly as p (SpecInfer / EAGLE) whenever x_i is drawn from q_i
+    independently of the earlier rounds' tests. q_i is ``ctx.q[node]`` (children drawn by the
+    heads), or a point mass on x_i for the nodes in ``ctx.fixed`` (context copies) and for
+    every node without q (a deterministic drafter): a point mass on x is accepted with
+    probability r(x) and, rejected, leaves r without x.
+
+    Example: p = (.6, .3, .1), a copy of token 1 then a head draw from q = (1, 0, 0) (the heads
+    drew it with the copy's token excluded): the copy is accepted w.p. .3; else r = (6/7, 0,
+    1/7) and the draw, token 0, is accepted w.p. 6/7; else the bonus is token 2. Token 0:
+    .7 * 6/7 = .6, token 1: .3, token 2: .7 * 1/7 = .1 = p.
+    With greedy sampling this reduces to ``greedy``.
     """
     if ctx.sampling.greedy:
         return greedy(tree, tokens, logits, ctx)
@@ -84,9 +95,9 @@ def speculative(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, 
         r = probs(logits[node], ctx.sampling)
         accepted = None
         for c in tree.children[node]:
-            q = ctx.q[node] if ctx.q is not None else torch.nn.functional.one_hot(
-                tokens[c], r.shape[-1]).float()
             x = toks[c]
+            point = ctx.q is None or c in ctx.fixed
+            q = torch.nn.functional.one_hot(tokens[c], r.shape[-1]).to(r.dtype) if point else ctx.q[node]
             ratio = float(r[x]) / max(float(q[x]), 1e-20)
             u = uniform(ctx.generator)
             if u < min(1.0, ratio):

@@ -170,7 +170,7 @@ class BatchEngine:
         if sched is None:
             return
         sampling = row.req.sampling
-        copying = self.drafter.copy is not None and sampling.greedy if hasattr(self.drafter, "copy") else False
+        copying = getattr(self.drafter, "copy", None) is not None
         table = self.tree_policy.table(copying) if self.tree_policy is not None else None
         sched.cap = self.narrowing.cap(len(self.rows), table, self.drafter.max_depth(sampling))
 

@@ -225,7 +225,7 @@ class AdaptiveScheduler:
 def _tables(ctx, sampling):
     """(acceptance table, deepest level, name suffix) for this request's sampling."""
     policy = ctx.policy
-    copying = ctx.drafter.copy is not None and sampling.greedy
+    copying = ctx.drafter.copy is not None
     return policy.table(copying), ctx.drafter.max_depth(sampling), "+copy" if copying else ""
 
 

@@ -108,7 +108,7 @@ def build_entmtp(ctx):
     profile, cache = profile_for(ctx, "entmtp"), {}
 
     def factory(sampling):
-        copying = ctx.drafter.copy is not None and sampling.greedy
+        copying = ctx.drafter.copy is not None
         depth = ctx.drafter.max_depth(sampling)
         if (copying, depth) not in cache:
             cache[copying, depth] = bin_trees(profile, copying, ctx.policy.latency, ctx.policy.draft_s,

@@ -63,7 +63,7 @@ def build(ctx):
     profile, cache, costs = profile_for(ctx, "entmtp-adaptive"), {}, StepCosts()
 
     def factory(sampling):
-        copying = ctx.drafter.copy is not None and sampling.greedy and bool(profile.copy_tables)
+        copying = ctx.drafter.copy is not None and bool(profile.copy_tables)
         depth = ctx.drafter.max_depth(sampling)
         tables = profile.copy_tables if copying else profile.tables
         if (copying, depth) not in cache:
