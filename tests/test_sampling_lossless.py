@@ -238,3 +238,24 @@ def test_sampled_ngram_is_lossless(small):
     eng = make_engine(bb, MethodSpec(method=Method.NGRAM))
     tau = check_lossless(eng, bb, GenerationConfig(temperature=1.0, top_p=0.9), n=700, prompt=prompt)
     assert tau > 1.0  # some copies accepted (each with the backbone's probability of its token)
+
+
+@pytest.mark.parametrize("kind, copy", [("hydra", False), ("hydra", True), ("eagle", True)])
+def test_dynamic_tree_sampling_is_lossless(small, kind, copy):
+    """EAGLE-2 dynamic trees at T > 0: candidates are the drafter's top-k under the sampling
+    settings (and context copies), chosen by value, every node verified as a point mass."""
+    from cadence.context_copy import CopyConfig
+    from cadence.dynamic_tree import DynamicTree
+    from cadence.schedulers.dynamic import DynamicScheduler
+
+    bb = small["llama"]
+    prompt = de_bruijn_prompt() if copy else PROMPT
+    heads = new_heads(kind, bb, 3, random=True, seed=5)
+    drafter = HeadDrafter(heads, CopyConfig(), copy_depth=4) if copy else HeadDrafter(heads)
+    spec = DynamicTree(topk=3, max_nodes=6)
+    eng = Engine(bb, drafter, lambda s: DynamicScheduler(spec))
+    cfg = GenerationConfig(temperature=0.8, top_p=0.95)
+    tau = check_lossless(eng, bb, cfg, n=700, prompt=prompt)
+    g = eng.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, temperature=0.8, top_p=0.95, seed=1))
+    assert all(s.tree.startswith("dynamic-") for s in g.stats.step_log)
+    assert tau > 1.1

@@ -249,12 +249,13 @@ class HeadDrafter:
         return drop_unfilled(tree, tokens, filled, q, device, frozenset(fixed))
 
     def draft_dynamic(self, spec, root: int, hidden: torch.Tensor, context, limit: int,
-                      copies: NgramIndex | None = None, state: DraftState | None = None) -> Draft:
-        """An EAGLE-2 dynamic tree at T = 0 (``dynamic_tree.draft_dynamic``; ``spec`` a
-        ``DynamicTree``), at most ``limit`` levels deep: the tree is chosen while drafting,
-        ``Draft.tree`` says which."""
+                      copies: NgramIndex | None = None, state: DraftState | None = None,
+                      sampling: SamplingParams | None = None) -> Draft:
+        """An EAGLE-2 dynamic tree (``dynamic_tree.draft_dynamic``; ``spec`` a ``DynamicTree``),
+        at most ``limit`` levels deep: the tree is chosen while drafting, ``Draft.tree`` says
+        which. At T > 0 its nodes are point-mass proposals (``Draft.q`` None)."""
         from cadence.dynamic_tree import draft_dynamic  # it builds on this module
-        return draft_dynamic(self, spec, root, hidden, context, limit, copies, state)
+        return draft_dynamic(self, spec, root, hidden, context, limit, copies, state, sampling)
 
     @torch.inference_mode()
     def shadow(self, root: int, hidden: torch.Tensor, context, copies: NgramIndex | None = None) -> int:

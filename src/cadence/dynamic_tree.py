@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic draft tree: the drafter's own confidence shapes each step's tree (T = 0).
+"""EAGLE-2's dynamic draft tree: the drafter's own confidence shapes each step's tree.
 
 A static tree spends its nodes on the same ranks at every step; the drafter knows better
 step by step (EAGLE-2, arXiv 2406.16858: a draft token's probability under the drafter is
@@ -21,8 +21,16 @@ close to its acceptance rate). Per step, at T = 0:
      latency curve (``cadence.latency``), capped at ``max_nodes``; without a curve, ``max_nodes``.
 
 Verification is unchanged, so output stays identical to plain greedy decoding: only which
-tokens are verified changes. At T > 0 the engine runs the static tree instead (a candidate
-chosen by its draft probability is no longer a draw from q, which lossless sampling needs).
+tokens are verified changes.
+
+At T > 0 the same tree is grown from the drafter's distribution under the request's sampling
+settings (temperature, top-k, top-p: ``sampling.probs``) and every node is verified as a
+point-mass proposal (``Draft.q`` is None; ``verify.speculative``): a candidate x is accepted
+with the residual's probability of x, and a rejected x leaves the residual. That is lossless
+however the candidates were chosen (they do not depend on the verification's random draws),
+and a node's chance to be the accepted child is then exactly the backbone's p(x): a path is
+accepted with the product of p along it, which the product of the drafter's tempered
+probabilities estimates, as at T = 0.
 
 Knows: the drafter's heads, context copies and context vocabulary (through ``HeadDrafter``).
 Does not know: verification, schedulers, or where the latency curve comes from.
@@ -39,6 +47,7 @@ import torch
 
 from cadence.context_copy import NgramIndex
 from cadence.drafter import Draft, DraftState, HeadDrafter
+from cadence.sampling import SamplingParams, probs
 from cadence.trees import CompiledTree, compile_tree
 
 
@@ -150,10 +159,13 @@ def head_levels(drafter: HeadDrafter, spec: DynamicTree) -> int:
 
 
 def draft_dynamic(drafter: HeadDrafter, spec: DynamicTree, root: int, hidden: torch.Tensor, context: list[int],
-                  limit: int, copies: NgramIndex | None = None, state: DraftState | None = None) -> Draft:
-    """A dynamic tree drafted at T = 0 (module docstring). hidden: (d,) state that produced
-    ``root``; limit: the deepest level the engine allows (the tokens left); the tree goes as
-    deep as the heads draft (``head_levels``) or, with copies, the drafter's copy depth."""
+                  limit: int, copies: NgramIndex | None = None, state: DraftState | None = None,
+                  sampling: SamplingParams | None = None) -> Draft:
+    """A dynamic tree (module docstring). hidden: (d,) state that produced ``root``; limit:
+    the deepest level the engine allows (the tokens left); the tree goes as deep as the heads
+    draft (``head_levels``) or, with copies, the drafter's copy depth. ``sampling``: the
+    request's settings (None or T = 0: greedy); at T > 0 values come from the drafter's
+    distribution under them and the draft is for point-mass verification."""
     t0 = time.perf_counter()
     heads, k = drafter.heads, spec.topk
     levels = head_levels(drafter, spec)
@@ -177,7 +189,8 @@ def draft_dynamic(drafter: HeadDrafter, spec: DynamicTree, root: int, hidden: to
         heads_on = heads_on and depth < levels and (
             depth == 0 or worth_a_level(frontier, cands, spec, time.perf_counter() - t0))
         if heads_on:
-            children = _head_children(drafter, frontier, depth, state_of, ctx, extra, k, next_id=len(by_id))
+            children = _head_children(drafter, frontier, depth, state_of, ctx, extra, k, next_id=len(by_id),
+                                      sampling=sampling)
         if copies is not None:
             children = _with_copies(children, frontier, by_id, context, copies, log_conf,
                                     first_id=len(by_id) + len(children))
@@ -197,9 +210,11 @@ def draft_dynamic(drafter: HeadDrafter, spec: DynamicTree, root: int, hidden: to
 
 
 def _head_children(drafter: HeadDrafter, frontier: list[_Cand], depth: int, state_of, ctx, extra,
-                   k: int, next_id: int) -> list[_Cand]:
+                   k: int, next_id: int, sampling: SamplingParams | None = None) -> list[_Cand]:
     """The top-k children of each frontier node at ``depth`` (one batched heads call); node
-    states go into ``state_of`` for the next level."""
+    states go into ``state_of`` for the next level. At T > 0 the children and their values
+    come from the drafter's distribution under ``sampling`` (tokens it gives no mass, e.g.
+    outside top-p, are left out)."""
     heads = drafter.heads
     device = state_of[-1].device
     prev = torch.stack([state_of[c.parent] for c in frontier])
@@ -210,14 +225,19 @@ def _head_children(drafter: HeadDrafter, frontier: list[_Cand], depth: int, stat
     else:
         feats, states = heads.step_features(depth + 1, prev, toks)
     logits, vocab_ids = drafter._logits(feats, extra)  # (P, V'), (V',) or None
-    logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # (P, k) each
+    if sampling is None or sampling.greedy:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+    else:
+        logp = torch.log(probs(logits.float(), sampling))  # -inf where the settings give no mass
+    logp, idx = logp.topk(k, dim=-1)  # (P, k) each
     if vocab_ids is not None:
         idx = vocab_ids[idx]
     out = []
     for j, (c, lp, ids) in enumerate(zip(frontier, logp.tolist(), idx.tolist())):
         state_of[c.id] = states[j]
         for p, t in zip(lp, ids):
-            out.append(_Cand(next_id + len(out), c.id, t, depth + 1, c.logv + p))
+            if p > -math.inf:
+                out.append(_Cand(next_id + len(out), c.id, t, depth + 1, c.logv + p))
     return out
 
 

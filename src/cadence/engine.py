@@ -16,8 +16,8 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
   1. stop here if committing ``root`` finishes the request (EOS / max tokens);
   2. plan = scheduler.choose(state); its tree is cut to what the drafter can fill
      (copies reach deeper than the heads), to the tokens still allowed and
-     to the model's positions; the drafter fills it from (h, root) (a dynamic plan, T = 0:
-     the drafter grows the tree itself, ``dynamic_tree``). A root-alone plan
+     to the model's positions; the drafter fills it from (h, root) (a dynamic plan: the
+     drafter grows the tree itself, ``dynamic_tree``; at T > 0 verified as point masses). A root-alone plan
      may ask for a shadow draft (T = 0): the depth-1 top candidate is drafted (one head
      call, no verify cost) and, once the root's forward gives the true next token,
      the scheduler learns whether it would have been accepted; it is never committed
@@ -401,14 +401,14 @@ class Request:
     def _draft(self, tree, dynamic=None, remaining: int = 0):
         """(tree that runs, its (N+1,) tokens, q or None, copy nodes or None, point-mass nodes): the drafter fills
         the tree; nodes it could not fill are gone from the returned tree. ``dynamic``: a
-        ``dynamic_tree.DynamicTree`` to grow instead, at T = 0 with head drafters (then
+        ``dynamic_tree.DynamicTree`` to grow instead, with head drafters (then
         ``tree`` is ignored), at most ``remaining - 1`` levels deep; its context copies come
         back as ``Draft.copy_nodes``."""
         bb = self.engine.backbone
         drafter = self.engine.drafter
-        if dynamic is not None and self.sampling.greedy and hasattr(drafter, "draft_dynamic"):
+        if dynamic is not None and hasattr(drafter, "draft_dynamic"):
             draft = drafter.draft_dynamic(dynamic, self.root, self.hidden, self.context, remaining - 1,
-                                          self.copies, self.draft_state)
+                                          self.copies, self.draft_state, self.sampling)
             return draft.tree, draft.tokens, None, draft.copy_nodes, frozenset()
         if tree.size == 1:
             return tree, torch.tensor([self.root], device=bb.device), None, None, frozenset()

@@ -1,5 +1,5 @@
-"""EAGLE-2's dynamic tree as a scheduler: every greedy step that speculates, the drafter grows
-the tree from its own confidence and the verify-latency curve of this machine cuts it
+"""EAGLE-2's dynamic tree as a scheduler: every step that speculates, the drafter grows the
+tree from its own confidence and the verify-latency curve of this machine cuts it
 (``dynamic_tree``).
 
 *Whether* a step speculates is the ``adaptive`` scheduler's call (on calibrated heads): it
@@ -10,9 +10,11 @@ dynamic trees against the static candidate's calibrated reach, a proxy for how
 predictable the request is. Uncalibrated heads (no acceptance table or latency curve)
 speculate every step.
 
-Lossless: only which drafts are verified changes. At T > 0 the request runs what
-``adaptive`` (or ``--tree``) plans (a dynamic tree picks candidates by draft probability,
-not by drawing them from q, which lossless speculative sampling needs).
+Lossless: only which drafts are verified changes. At T > 0 the tree is grown from the
+drafter's distribution under the request's sampling settings and its nodes are verified as
+point-mass proposals (``dynamic_tree``), which keeps speculative sampling exact; until
+session 22 a sampled request ran ``adaptive``'s static trees of i.i.d. draws from q
+(``--scheduler adaptive`` still does).
 """
 
 from __future__ import annotations
@@ -98,17 +100,15 @@ def dynamic_spec(ctx) -> DynamicTree:
                        latency=policy.latency, level_s=policy.draft_s)
 
 
-@register("dynamic", lossy=False, help="EAGLE-2 dynamic tree: each greedy step's tree grown from the drafter's "
+@register("dynamic", lossy=False, help="EAGLE-2 dynamic tree: each step's tree grown from the drafter's "
                                        "confidence and cut by this machine's verify latency; adaptive decides "
-                                       "when to speculate (lossless; T > 0 runs adaptive's trees)")
+                                       "when to speculate (lossless; at T > 0 nodes are verified as point masses)")
 def build_dynamic(ctx):
     spec = dynamic_spec(ctx)
     gate = entry("adaptive").build(ctx)
 
     def factory(sampling):
         inner = gate(sampling)
-        if not sampling.greedy:
-            return inner
         if isinstance(inner, StaticScheduler):  # uncalibrated heads: speculate every step
             return DynamicScheduler(spec)
         return GatedDynamic(inner, spec)
