@@ -1,6 +1,6 @@
 """EAGLE-2's dynamic tree (``dynamic_tree``, ``--scheduler dynamic``): the worked examples,
 lossless greedy decoding with random and oracle heads of every kind (with and without
-context copy), the latency-cut size, and point-mass trees at T > 0."""
+context copy), the latency-cut size, and point-mass trees at T > 0 (``--dyn-sampled``)."""
 
 import math
 
@@ -154,7 +154,7 @@ def test_method_spec_builds_it_and_checks_settings(backbones):
             make_engine(bb, MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", **bad))
 
 
-def gated_factory(bb, heads, latency):
+def gated_factory(bb, heads, latency, **spec):
     """The ``dynamic`` scheduler's factory for calibrated heads (a made-up table and curve)."""
     from cadence.heads.policy import DraftPolicy
     from cadence.schedulers.registry import SchedulerContext, entry
@@ -163,7 +163,7 @@ def gated_factory(bb, heads, latency):
     heads.policy = DraftPolicy(acceptance=[[0.8, 0.1]] * 3, copy_acceptance=[[0.8, 0.1]] * 6)
     drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
     policy = TreePolicy("auto", heads, drafter, latency=latency, draft_s=0.0001)
-    ctx = SchedulerContext(bb, heads, drafter, policy, MethodSpec(method=Method.EAGLE, scheduler="dynamic"))
+    ctx = SchedulerContext(bb, heads, drafter, policy, MethodSpec(method=Method.EAGLE, scheduler="dynamic", **spec))
     return drafter, entry("dynamic").build(ctx)
 
 
@@ -171,15 +171,18 @@ def test_calibrated_heads_gate_speculation_through_adaptive(backbones):
     """Random heads miss every draft: the adaptive gate soon runs the root alone (with shadow
     drafts), and every step that speculates drafts a dynamic tree. Output unchanged."""
     from cadence.latency import LatencyCurve
-    from cadence.schedulers.dynamic import GatedDynamic
     from cadence.sampling import SamplingParams
+    from cadence.schedulers.adaptive import AdaptiveScheduler
+    from cadence.schedulers.dynamic import GatedDynamic
 
     bb = backbones["llama"]
     heads = make("eagle", bb, 3, random=True, seed=1)
     dear = LatencyCurve(sizes=[1, 2, 4, 8, 16], seconds=[0.010, 0.0125, 0.013, 0.014, 0.017])
     drafter, factory = gated_factory(bb, heads, dear)
     assert isinstance(factory(SamplingParams()), GatedDynamic)
-    assert isinstance(factory(SamplingParams(temperature=1.0)), GatedDynamic)  # point masses at T > 0
+    assert isinstance(factory(SamplingParams(temperature=1.0)), AdaptiveScheduler)  # T > 0: adaptive's trees
+    _, sampled = gated_factory(bb, heads, dear, dyn_sampled=True)
+    assert isinstance(sampled(SamplingParams(temperature=1.0)), GatedDynamic)  # point masses at T > 0
     out = Engine(bb, drafter, factory).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
     assert out.tokens == reference(bb, PROMPTS[0])
     trees = [s.tree for s in out.stats.step_log]
