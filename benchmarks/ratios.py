@@ -6,7 +6,8 @@ Reads ``records.jsonl`` (or ``records.jsonl.gz``) of a ``cadence bench --out`` d
 pools tokens / wall time exactly as the report does (``cadence.bench.metrics``): speedup of a
 method = its pooled tokens/s over vanilla's on the generations both have. ``--drop TASK:KEY``
 removes that prompt's generations for every method (so the ratios stay paired); ``--ratio A B``
-prints speedup(A) / speedup(B) too.
+prints speedup(A) / speedup(B) too; ``--steps`` the per-step logs pooled per method: mean nodes
+verified per step, share of steps that ran the root alone, mean step time.
 
 Usage (session 21, the disturbed hydra generation of the scheduler run)::
 
@@ -46,6 +47,20 @@ def speedups(records: list[dict], drop: set[tuple[str, str]] = frozenset()) -> d
     return {m: M.speedup(recs, base) for m, recs in by.items()}
 
 
+def step_stats(records: list[dict]) -> dict[str, tuple[float, float, float]]:
+    """{method: (mean nodes per step, share of root-alone steps, mean step ms)} over every
+    step of the method's generations (``step_log`` of each record). Example: steps of 1, 3
+    and 5 nodes taking 20, 30 and 40 ms -> (3.0, 0.333, 30.0)."""
+    by: dict[str, tuple[list, list]] = {}
+    for r in records:
+        log = r.get("step_log") or {}
+        nodes, secs = by.setdefault(r["method"], ([], []))
+        nodes += log.get("nodes", [])
+        secs += log.get("seconds", [])
+    return {m: (sum(n) / len(n), sum(x == 1 for x in n) / len(n), 1000 * sum(s) / len(s))
+            for m, (n, s) in by.items() if n and s}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path, help="a cadence bench --out directory")
@@ -53,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompts left out for every method (task, then the record's key)")
     ap.add_argument("--ratio", nargs=2, action="append", default=[], metavar=("A", "B"),
                     help="also print speedup(A) / speedup(B)")
+    ap.add_argument("--steps", action="store_true",
+                    help="also print mean nodes per step, root-alone share and mean step ms per method")
     args = ap.parse_args(argv)
     drop = set()
     for item in args.drop:
@@ -71,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         if ups.get(a) is None or ups.get(b) is None:
             ap.error(f"--ratio {a} {b}: both must be methods of the run ({', '.join(ups)})")
         print(f"{a} / {b} = {ups[a] / ups[b]:.3f}")
+    if args.steps:
+        kept = [r for r in records if (r["task"], r["key"]) not in drop]
+        for m, (nodes, alone, ms) in step_stats(kept).items():
+            print(f"{m:32s} {nodes:5.2f} nodes/step, root alone {alone:.0%}, {ms:.1f} ms/step")
     return 0
 
 

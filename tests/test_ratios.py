@@ -44,3 +44,12 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
         assert e.value.code == 2
     with pytest.raises(SystemExit, match="no records"):
         ratios.main([str(tmp_path / "empty")])
+
+
+def test_step_stats_pool_every_step_of_a_method(capsys):
+    recs = [dict(_rec("a", "p1", "fast", 3, 1.0), step_log={"nodes": [1, 3], "seconds": [0.02, 0.03]}),
+            dict(_rec("a", "p2", "fast", 3, 1.0), step_log={"nodes": [5], "seconds": [0.04]}),
+            _rec("a", "p1", "vanilla", 3, 1.0)]  # no step log: left out
+    nodes, alone, ms = ratios.step_stats(recs)["fast"]
+    assert (nodes, ms) == (pytest.approx(3.0), pytest.approx(30.0)) and alone == pytest.approx(1 / 3)
+    assert "vanilla" not in ratios.step_stats(recs)
