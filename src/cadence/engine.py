@@ -40,6 +40,7 @@ from typing import Iterator
 import torch
 
 from cadence.detok import Detokenizer
+from cadence.drafter import Draft
 from cadence.errors import CadenceError
 from cadence.sampling import SamplingParams, probs, sample
 from cadence.schedulers.base import Plan, Scheduler, SchedulerFactory, StepInfo, StepState
@@ -290,9 +291,10 @@ class Request:
         state = StepState(hidden=self.hidden, root_logits=self.root_logits, step=self.stats.steps,
                           new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
         plan = self._plan(state, remaining)
-        tree, tokens, q, copy_nodes, fixed = self._draft(plan.tree, plan.dynamic, remaining)
+        d = self._draft(plan.tree, plan.dynamic, remaining)
         shadow, later = self._shadow(plan)
-        return PendingStep(state, plan, tree, tokens, q, t_step, shadow, later, copy_nodes=copy_nodes, fixed=fixed)
+        return PendingStep(state, plan, d.tree, d.tokens, d.q, t_step, shadow, later, copy_nodes=d.copy_nodes,
+                           fixed=d.fixed)
 
     def finish_step(self, job: "PendingStep", logits: torch.Tensor, hidden: torch.Tensor) -> list[int]:
         """Steps 4-5 for the verify forward's output over ``job.tree``'s N+1 nodes:
@@ -379,8 +381,8 @@ class Request:
             if tok is not None or plan.shadow_batch <= 1:
                 return (tok if tok is not None else drafter.shadow_heads(self.hidden[None], [self.root])[0]), None
             return None, self.hidden.clone()
-        tree, tokens, _, _, _ = self._draft(SHADOW_CHAIN)
-        return (int(tokens[1]) if tree.size == 2 else None), None
+        d = self._draft(SHADOW_CHAIN)
+        return (int(d.tokens[1]) if d.tree.size == 2 else None), None
 
     def _judge_shadows(self, job: PendingStep, truth: int) -> tuple[bool, ...]:
         """Verdicts of the shadow drafts judged now: this step's own (its guess against
@@ -398,24 +400,21 @@ class Request:
         guesses = self.engine.drafter.shadow_heads(torch.stack([h for h, _, _ in rows]), [r for _, r, _ in rows])
         return tuple(g == t for g, (_, _, t) in zip(guesses, rows))
 
-    def _draft(self, tree, dynamic=None, remaining: int = 0):
-        """(tree that runs, its (N+1,) tokens, q or None, copy nodes or None, point-mass nodes): the drafter fills
-        the tree; nodes it could not fill are gone from the returned tree. ``dynamic``: a
-        ``dynamic_tree.DynamicTree`` to grow instead, with head drafters (then
-        ``tree`` is ignored), at most ``remaining - 1`` levels deep; its context copies come
-        back as ``Draft.copy_nodes``."""
-        bb = self.engine.backbone
+    def _draft(self, tree, dynamic=None, remaining: int = 0) -> Draft:
+        """The drafter fills ``tree``; ``Draft.tree`` is the tree that runs (nodes it could not
+        fill are gone). ``dynamic``: a ``dynamic_tree.DynamicTree`` to grow instead, with head
+        drafters (then ``tree`` is ignored), at most ``remaining - 1`` levels deep; its context
+        copies come back as ``Draft.copy_nodes``."""
         drafter = self.engine.drafter
         if dynamic is not None and hasattr(drafter, "draft_dynamic"):
-            draft = drafter.draft_dynamic(dynamic, self.root, self.hidden, self.context, remaining - 1,
-                                          self.copies, self.draft_state, self.sampling)
-            return draft.tree, draft.tokens, None, draft.copy_nodes, frozenset()
+            return drafter.draft_dynamic(dynamic, self.root, self.hidden, self.context, remaining - 1,
+                                         self.copies, self.draft_state, self.sampling)
         if tree.size == 1:
-            return tree, torch.tensor([self.root], device=bb.device), None, None, frozenset()
+            return Draft(tokens=torch.tensor([self.root], device=self.engine.backbone.device), q=None, tree=tree)
         extra = {"state": self.draft_state} if self.draft_state is not None else {}
-        draft = self.engine.drafter.draft(tree, self.root, self.hidden, self.context, self.sampling,
-                                          self.generator, self.copies, **extra)
-        return draft.tree or tree, draft.tokens, draft.q, None, draft.fixed
+        draft = drafter.draft(tree, self.root, self.hidden, self.context, self.sampling, self.generator,
+                              self.copies, **extra)
+        return draft if draft.tree is not None else replace(draft, tree=tree)
 
     def _commit(self, committed: list[int], force_done: bool = False) -> list[int]:
         """Append ``committed`` up to the first EOS, the token budget or a stop string."""
