@@ -19,6 +19,20 @@ from cadence.fast import consistent, native
 needs_native = pytest.mark.skipif(native.module() is None, reason="the C++ extension could not be built here")
 
 
+@pytest.fixture(params=["amx", "vector"])
+def path(request):
+    """bf16 calls through AMX tiles (``attention_amx.cpp``, CPUs with AMX only) or the fp32
+    vector kernel; the contract is the same."""
+    ops = native.module()
+    if ops is None:
+        pytest.skip("the C++ extension could not be built here")
+    if request.param == "amx" and not ops.listed_attention_amx():
+        pytest.skip("no AMX here (or CADENCE_AMX=0)")
+    was = ops.set_listed_attention_amx(request.param == "amx")
+    yield request.param
+    ops.set_listed_attention_amx(was)
+
+
 def _lists(prefix: list[int], extras: list[list[int]]):
     """One sequence: row r lists keys [0, prefix[r]) then extras[r]."""
     n, e = len(extras), max(1, max(len(x) for x in extras))
@@ -43,7 +57,7 @@ def _reference(q, k, v, keys: list[int]) -> torch.Tensor:
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_each_row_is_softmax_attention_over_its_listed_keys(dtype, tol, head_dim):
+def test_each_row_is_softmax_attention_over_its_listed_keys(dtype, tol, head_dim, path):
     ops = native.module()
     gen = torch.Generator().manual_seed(0)
     H, KV, L = 6, 2, 200
@@ -59,7 +73,7 @@ def test_each_row_is_softmax_attention_over_its_listed_keys(dtype, tol, head_dim
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_bits_do_not_depend_on_slots_split_or_company(dtype):
+def test_a_rows_bits_do_not_depend_on_slots_split_or_company(dtype, path):
     """A tree node (context prefix + ancestors at scattered slots, beside 15 other rows)
     and the same token decoded alone (its path copied right after the context, all of it
     one contiguous prefix) get equal bits, for contexts across block boundaries."""
@@ -85,7 +99,7 @@ def test_a_rows_bits_do_not_depend_on_slots_split_or_company(dtype):
 
 
 @needs_native
-def test_bits_do_not_depend_on_the_thread_count():
+def test_bits_do_not_depend_on_the_thread_count(path):
     ops = native.module()
     gen = torch.Generator().manual_seed(2)
     k, v = (torch.randn(2, 3, 300, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
@@ -101,6 +115,28 @@ def test_bits_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_native
+def test_deep_chains_batches_and_wide_groups_keep_each_rows_bits(path):
+    """Rows whose own keys span several 32-key chunks past the shared context (a 70-node
+    chain), two sequences at different contexts, 4 query heads per kv head, head size 128:
+    every row's bits equal its plain one-row forward's."""
+    ops = native.module()
+    gen = torch.Generator().manual_seed(5)
+    H, KV, D, L, n = 8, 2, 128, 400, 70
+    k, v = (torch.randn(2, KV, L, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = (torch.randn(2, H, n, D, generator=gen) * 2).to(torch.bfloat16)
+    past = [70, 257]
+    tree = torch.ones(n, n, dtype=torch.bool).tril_().expand(2, n, n)
+    out = ops.listed_attention(q, k, v, *consistent.key_lists(tree, past), D ** -0.5)
+    for bi in range(2):
+        for r in (0, 1, 30, 31, 32, 33, 63, 69):
+            alone = ops.listed_attention(q[bi:bi + 1, :, r:r + 1].contiguous(), k[bi:bi + 1], v[bi:bi + 1],
+                                         *_lists([past[bi] + r + 1], [[]]), D ** -0.5)
+            assert torch.equal(out[bi, :, r], alone[0, :, 0]), (bi, r)
+            want = _reference(q[bi, :, r], k[bi], v[bi], list(range(past[bi] + r + 1)))
+            assert (alone[0, :, 0].double() - want).abs().max() < 2e-2, (bi, r)
 
 
 def test_key_lists_put_the_context_first_then_each_rows_tree_slots_in_order():
@@ -156,7 +192,7 @@ def test_a_bf16_fast_backbone_grows_branching_trees_only_with_listed_attention(l
     bb = FastBackbone.from_backbone(plain)
     assert bb.consistent and bb.listed == (listed == "1")
     assert bb.chains_only == (listed == "0")
-    assert bb.kernels.endswith("/listed") == (listed == "1")
+    assert ("/listed" in bb.kernels) == (listed == "1")
 
 
 @needs_native
@@ -197,10 +233,12 @@ def test_the_avx2_and_generic_builds_give_the_same_attention(march):
     q = (torch.randn(1, 9, 4, 64, generator=gen) * 2).to(torch.bfloat16)
     lists = _lists([250, 250, 250, 17], [[250], [250, 251], [250, 252], [20, 21]])
     out = ops.listed_attention(q, k, v, *lists, 0.125)
-    if native.module() is not None:
+    if native.module() is not None:  # the native build's vector kernel (not its AMX one)
+        was = native.module().set_listed_attention_amx(False)
         assert torch.equal(out, native.module().listed_attention(q, k, v, *lists, 0.125))
         assert torch.equal(ops.listed_attention(q.float(), k.float(), v.float(), *lists, 0.125),
                            native.module().listed_attention(q.float(), k.float(), v.float(), *lists, 0.125))
+        native.module().set_listed_attention_amx(was)
     for r, keys in enumerate([list(range(251)), list(range(252)), list(range(251)) + [252], list(range(17)) + [20, 21]]):
         assert (out[0, :, r].double() - _reference(q[0, :, r], k[0], v[0], keys)).abs().max() < 1e-2, r
     K, V = k.clone(), v.clone()

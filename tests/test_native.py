@@ -152,3 +152,26 @@ def test_fused_norm_and_rope_match_the_aten_form_and_keep_each_rows_bits(dtype):
     out = ops.rope(q, cos, sin)
     assert torch.equal(out, rope.apply(q, cos, sin))
     assert torch.equal(ops.rope(q[1:2, 3:4], cos[1:2, 3:4], sin[1:2, 3:4]), out[1:2, 3:4])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_swiglu_matches_silu_times_up_and_keeps_each_rows_bits(dtype):
+    """silu(gate) * up in one pass: within one rounding step (two in bf16, whose silu is
+    rounded before the product, as in ATen) of ``F.silu(g) * u``, also for gates of +-100
+    and zero, and a row's bits alone equal its bits among 40 others (sizes that are not a
+    multiple of 16 included)."""
+    import torch.nn.functional as F
+
+    ops = native.module()
+    gen = torch.Generator().manual_seed(3)
+    for width in (1536, 37):
+        gu = (torch.randn(2, 20, 2 * width, generator=gen) * 4).to(dtype)
+        gu[0, 0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0])
+        got = ops.silu_mul(gu)
+        g, u = gu.chunk(2, dim=-1)
+        ref = (F.silu(g.double()) * u.double())
+        step = 1e-6 if dtype == torch.float32 else 2 ** -7
+        assert ((got.double() - ref).abs() <= 2 * step * ref.abs() + 1e-30).all(), width
+        assert torch.equal(ops.silu_mul(gu[1:2, 7:8].clone()), got[1:2, 7:8])
+    assert got.shape == (2, 20, 37) and got.dtype == dtype

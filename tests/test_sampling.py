@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cadence.sampling import SamplingParams, categorical, outside_nucleus, probs, sample
+from cadence.sampling import SamplingParams, argmax, categorical, outside_nucleus, probs, sample
 
 
 def full_sort_mask(dist: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -71,3 +71,28 @@ def test_sample_follows_a_large_vocabulary_distribution():
     obs_b, exp_b = np.append(counts[big], counts[~big].sum()), np.append(exp[big], exp[~big].sum())
     exp_b *= obs_b.sum() / exp_b.sum()
     assert chisquare(obs_b, exp_b).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs_first_maximum_on_every_kind_of_row(dtype):
+    """The native kernel (loaded here by ``native.module()``) against torch.argmax: random
+    rows, exact ties (the first wins), all -inf, NaN (the first NaN wins, as in torch),
+    widths that are not a multiple of 16, 1-D and 3-D inputs."""
+    from cadence.fast import native
+
+    if native.module() is None:
+        pytest.skip("the C++ extension could not be built here")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 49152, generator=gen).to(dtype)
+    x[1, 100] = x[1, 40000] = x[1].max() + 1  # a tie: 100 wins
+    x[2] = float("-inf")
+    x[3, 500] = x[3, 30] = float("nan")  # first NaN: 30
+    x[4, -1] = x[4].max() + 1  # in the last block
+    for rows in (x, x[:, :1000 - 3], x[0], x.view(7, 4, 12288), x[:, :5]):
+        assert torch.equal(argmax(rows), rows.argmax(-1)), rows.shape
+    assert argmax(x).tolist()[1:4] == [100, 0, 30]
+
+
+def test_argmax_falls_back_to_torch_off_cpu_dtypes():
+    x = torch.randn(3, 50, dtype=torch.float64)
+    assert torch.equal(argmax(x), x.argmax(-1))

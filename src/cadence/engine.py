@@ -42,7 +42,7 @@ import torch
 from cadence.detok import Detokenizer
 from cadence.drafter import Draft
 from cadence.errors import CadenceError
-from cadence.sampling import SamplingParams, probs, sample
+from cadence.sampling import SamplingParams, argmax, probs, sample
 from cadence.schedulers.base import Plan, Scheduler, SchedulerFactory, StepInfo, StepState
 from cadence.schedulers.static import StaticScheduler
 from cadence.scorer import score
@@ -351,7 +351,7 @@ class Request:
 
     def _pick(self, logits: torch.Tensor) -> int:
         if self.sampling.greedy:
-            return int(logits.argmax())
+            return int(argmax(logits))
         return sample(probs(logits, self.sampling), self.generator)
 
     def _plan(self, state: StepState, remaining: int) -> Plan:

@@ -27,6 +27,7 @@ import torch
 
 from cadence.atomic import atomic_write_json
 from cadence.fast.cpu import cpu_flags, isa_limits
+from cadence.sampling import argmax
 from cadence.machine import cpu_model
 from cadence.scorer import score
 from cadence.trees import chain, compile_tree, grow_tree, prior_acceptance
@@ -114,7 +115,7 @@ def measure(backbone, sizes=SIZES, context: int = 128, rounds: int = 9,
                 torch.cuda.synchronize(dev)
             t = time.perf_counter()
             logits = score(backbone, cache, context, tree, tokens).logits
-            int(logits[0, 0].argmax())  # a verdict needs the logits on the host
+            int(argmax(logits[0, 0]))  # a verdict needs the logits on the host
             elapsed = time.perf_counter() - t
             cache.compact(context, [])
             if r:

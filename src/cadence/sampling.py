@@ -34,6 +34,20 @@ class SamplingParams:
         return self.temperature <= 0
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``: each row's first maximum (NaN counts as the maximum). On CPU,
+    where the native extension is loaded, through its one-pass kernel: torch's CPU argmax
+    takes about 63 us for one 49,152-logit row and 1 ms for a 32-node tree's (AMX Xeon,
+    session 23), a tenth of what verifying the tree costs; elsewhere torch's."""
+    from cadence.fast import native
+
+    ops = native.loaded()
+    if ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
+            and logits.dim() >= 1 and logits.shape[-1] > 0:
+        return ops.argmax_rows(logits)
+    return logits.argmax(-1)
+
+
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after temperature/top-k/top-p.
 
@@ -41,7 +55,7 @@ def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float()
     if p.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = logits.topk(p.top_k, dim=-1).values[..., -1:]

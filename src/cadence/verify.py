@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from cadence.errors import CadenceError
-from cadence.sampling import SamplingParams, entropy, probs, sample, uniform
+from cadence.sampling import SamplingParams, argmax, entropy, probs, sample, uniform
 from cadence.trees import CompiledTree
 
 
@@ -57,7 +57,7 @@ def greedy(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx: 
     [b, c, _, _]: node 1 (a) != b, node 2 (b) == b -> accept 2; node 2 has no children,
     so path [0, 2] and bonus = argmax at node 2.
     """
-    best = logits.argmax(-1).tolist()
+    best = argmax(logits).tolist()
     toks = tokens.tolist()
     node, path = 0, [0]
     while True:
@@ -127,7 +127,7 @@ def unverified(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, c
         node = tree.children[node][0]
         path.append(node)
     last = logits[node]
-    bonus = int(last.argmax()) if ctx.sampling.greedy else sample(probs(last, ctx.sampling), ctx.generator)
+    bonus = int(argmax(last)) if ctx.sampling.greedy else sample(probs(last, ctx.sampling), ctx.generator)
     return Verdict(path, bonus)
 
 
@@ -147,7 +147,7 @@ def typical(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx:
         nxt = next((c for c in tree.children[node] if float(p_all[node, toks[c]]) > float(thresh[node])), None)
         if nxt is None:
             if ctx.sampling.greedy:
-                return Verdict(path, int(logits[node].argmax()))
+                return Verdict(path, int(argmax(logits[node])))
             return Verdict(path, sample(probs(logits[node], ctx.sampling), ctx.generator))
         node = nxt
         path.append(node)
@@ -205,7 +205,7 @@ def relaxed(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx:
         p_t = None if sampling.greedy else probs(row, sampling)
         nxt, nxt_gap = None, math.inf
         if kids:
-            best = int(row.argmax())
+            best = int(argmax(row))
             relax = delta > 0 and m > 1
             if relax:  # the M-th largest logit: x is in the top-M iff its logit reaches it
                 top = row.float().topk(min(m, row.shape[-1])).values
@@ -226,7 +226,7 @@ def relaxed(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx:
                 if gap < nxt_gap:
                     nxt, nxt_gap = c, gap
         if nxt is None:
-            bonus = int(row.argmax()) if p_t is None else sample(p_t, ctx.generator)
+            bonus = int(argmax(row)) if p_t is None else sample(p_t, ctx.generator)
             return Verdict(path, bonus)
         node = nxt
         spent += nxt_gap

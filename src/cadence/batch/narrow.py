@@ -32,6 +32,7 @@ import torch
 
 from cadence.atomic import atomic_write_json
 from cadence.errors import CadenceError
+from cadence.sampling import argmax
 from cadence.latency import LatencyCurve, _probe_tree, machine_key
 from cadence.machine import cpu_model
 from cadence.schedulers.base import Plan, StepInfo, StepState
@@ -174,7 +175,7 @@ def measure(backbone, batches=BATCHES, sizes=SIZES, context: int = 128, rounds: 
                 t = time.perf_counter()
                 p = pack([context] * b, [tree] * b, toks, dev)
                 out = backbone.forward_rows(p.tokens, cache, 0, p.starts, p.positions, p.mask)
-                int(out.logits[0, 0].argmax())
+                int(argmax(out.logits[0, 0]))
                 if r:
                     samples[b, n].append(time.perf_counter() - t)
                 for slot in range(b):

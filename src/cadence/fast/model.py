@@ -198,8 +198,15 @@ class FastBackbone(RowsForward, Backbone):
         """The projections' and the LM head's kernels and the layer loop, e.g. ``int4/onednn/cpp``
         (latency curves are cached per kernels: the C++ loop changed them by a third)."""
         self._resolve_native()
-        attention = "/listed" if self.listed else ""
+        attention = ("/listed-amx" if self._listed_amx() else "/listed") if self.listed else ""
         return f"{self.layer_kind}/{self._head.kind}/{'cpp' if self._native else 'python'}{attention}"
+
+    def _listed_amx(self) -> bool:
+        """Whether ``listed_attention`` runs on AMX tiles for this model (``attention_amx.cpp``:
+        bf16, head size a multiple of 32, at most 16 query heads per kv head, a CPU with AMX)."""
+        s = self.spec
+        return bool(self._ops is not None and self.dtype == torch.bfloat16 and s.head_dim % 32 == 0
+                    and s.heads // s.kv_heads <= 16 and self._ops.listed_attention_amx())
 
     def resident_bytes(self) -> dict:
         """Bytes held by the fast path's weights and by the transformers tensors it shares."""
@@ -417,6 +424,14 @@ class FastBackbone(RowsForward, Backbone):
         """Whether the fused kernels take x (CPU, fp32 or bf16; ``fusable`` in layers.cpp)."""
         return self._ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gu = [gate | up] as the C++ loop computes it: the fused kernel
+        where it takes gu, else ATen's two calls."""
+        if self._fusable(gu):
+            return self._ops.silu_mul(gu)
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as the C++ loop computes it: the fused kernel on CPU, else ``_rms``."""
         return self._ops.rms_norm(x, weight, self.spec.eps) if self._fusable(x) else _rms(x, weight, self.spec.eps)
@@ -504,8 +519,7 @@ class FastBackbone(RowsForward, Backbone):
             x = x + layer.o(att.transpose(1, 2).reshape(b, n, H * hd))
             h = self._norm(x, layer.ln2)
             gu = layer.gate_up(h)
-            g, u = gu.chunk(2, dim=-1)
-            x = x + layer.down(F.silu(g) * u)
+            x = x + layer.down(self._swiglu(gu))
             for j, layer_no in enumerate(taps):
                 if layer_no == i + 1:
                     tap_out[:, :, j] = x

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from cadence.sampling import argmax
 from cadence.schedulers.base import Plan, StepInfo, StepState
 from cadence.schedulers.clp import small_head_path
 from cadence.schedulers.registry import register
@@ -55,7 +56,7 @@ class ConfidenceScheduler:
         for k in range(1, heads.K + 1):
             f, state = heads.step_features(k, state, token)
             lg = heads.draft_logits(f)[0]
-            top = int(lg.argmax())
+            top = int(argmax(lg))
             logq.append(torch.log_softmax(lg, -1)[top])
             token_id = int(heads.draft_vocab[top]) if heads.draft_vocab is not None else top
             tokens.append(token_id)
@@ -68,7 +69,7 @@ class ConfidenceScheduler:
         if root is None:
             if not state.sampling.greedy:
                 return self.fallback
-            root = int(state.root_logits.argmax())
+            root = int(argmax(state.root_logits))
         tokens, feats, logq = self.chain(state.hidden, root)
         cum = self.head.confidence(state.hidden, feats, logq).cumprod(0)
         self.confidences.append([round(float(c), 4) for c in cum])

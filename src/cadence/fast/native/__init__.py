@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "linear.h", "fused.cpp", "fused.h", "attention.cpp", "attention.h",
+                                                    "attention_amx.cpp", "attention_amx.h", "vec16.h",
                                                     "draft_block.cpp", "draft_block.h")]
 _CFLAGS = ["-O3", "-ffp-contract=off", "-march=native", "-fopenmp"]  # no fused multiply-adds: vector and scalar code agree
 _LDFLAGS = ["-fopenmp"]
@@ -65,6 +66,11 @@ def module():
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         warnings.warn(f"cadence: native layer loop unavailable ({_state['error']}); using the Python loop "
                       "(set CADENCE_NATIVE=0 to silence)", stacklevel=2)
+    return _state.get("module")
+
+
+def loaded():
+    """The extension if a forward already built or loaded it, else None (never builds)."""
     return _state.get("module")
 
 

@@ -1,4 +1,4 @@
-// Fused RMSNorm and RoPE (``fused.cpp``).
+// Fused RMSNorm, RoPE and SwiGLU gate (``fused.cpp``).
 #pragma once
 
 #include <torch/extension.h>
@@ -10,5 +10,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // x * cos + rotate_half(x) * sin for x (b, n, heads, head_dim), cos/sin (b, n, 1, head_dim).
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// silu(gate) * up for gu (..., 2 * I) = [gate | up] -> (..., I), in gu's dtype (the SwiGLU MLP).
+at::Tensor silu_mul(const at::Tensor& gu);
+
+// x.argmax(-1) for CPU float32 / bfloat16 rows: index of each row's first maximum (NaN counts as
+// the maximum). torch's CPU argmax takes about 1.3 ns a value; this one a vector pass and a scan.
+at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace cadence

@@ -16,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "attention.h"
+#include "attention_amx.h"
 #include "draft_block.h"
 #include "fused.h"
 #include "linear.h"
@@ -53,6 +54,13 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const int64_t half = x.size(-1) / 2;
   at::Tensor swapped = at::cat({x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * cos + swapped * sin;
+}
+
+// silu(gate) * up of gu = [gate | up]: the fused kernel where ``fusable``, else ATen
+at::Tensor swiglu(const at::Tensor& gu) {
+  if (fusable(gu)) return cadence::silu_mul(gu);
+  auto parts = gu.chunk(2, -1);
+  return at::silu(parts[0]) * parts[1];
 }
 
 class Layers {
@@ -124,8 +132,7 @@ class Layers {
       x = x + L.o(att.transpose(1, 2).reshape({b, n, H * hd}), blocked);
       h = rms(x, L.ln2, eps_);
       at::Tensor gu = L.gate_up(h, blocked);
-      auto parts = gu.chunk(2, -1);
-      x = x + L.down(at::silu(parts[0]) * parts[1], blocked);
+      x = x + L.down(swiglu(gu), blocked);
       for (size_t j = 0; j < taps.size(); ++j) {
         if (tap_out && taps[j] == static_cast<int64_t>(i) + 1) tap_out->select(2, static_cast<int64_t>(j)).copy_(x);
       }
@@ -190,7 +197,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_linears", &cadence::DraftBlock::set_linears)
       .def("forward", &cadence::DraftBlock::forward);
   m.def("rms_norm", &cadence::rms_norm, "weight * rms_norm(x) in x's dtype, one pass per row (fused.cpp)");
+  m.def("listed_attention_amx", &cadence::amx_listed_on,
+        "whether bf16 listed_attention runs on AMX tiles in this process (attention_amx.cpp)");
+  m.def("set_listed_attention_amx", &cadence::set_amx_listed, "tests only: AMX path on/off; returns the previous");
   m.def("listed_attention", &cadence::listed_attention,
         "attention of each row over its listed keys, row-consistent (attention.cpp)");
+  m.def("argmax_rows", &cadence::argmax_rows, "x.argmax(-1) of CPU rows, one vector pass (fused.cpp)");
+  m.def("silu_mul", &cadence::silu_mul, "silu(gate) * up of [gate | up] rows, one pass (fused.cpp)");
   m.def("rope", &cadence::rope, "x * cos + rotate_half(x) * sin, one pass per row (fused.cpp)");
 }

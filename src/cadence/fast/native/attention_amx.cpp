@@ -1,0 +1,446 @@
+// Row-consistent attention over listed keys on AMX tiles (bf16 only): the same contract as
+// ``attention.cpp`` (a row's bits depend only on its query and the keys/values it lists, in
+// order), with its matrix products on the CPU's tile unit instead of fp32 FMAs.
+//
+// Why the contract holds: a tile product C += A B computes row m of C from row m of A and
+// column j from column j of B, by a fixed sequence of operations that does not depend on the
+// other rows or columns. So
+//   scores: S[i][slot] = dot(q_i, k_slot) over head_dim in steps of 32, one tile product per
+//           step, for every slot up to the largest one listed (a dense product: a score is
+//           one (query, key) pair's, wherever the key sits), then times ``scale`` once
+//           (fp32); row i's scores are then gathered in list order;
+//   softmax: fp32, max over the row, exp(s - max) by ``exp5`` (a degree-5 polynomial, about
+//           3e-6 relative), the total over 16 lanes in two alternating accumulators then a
+//           fixed lane reduction; each weight rounded to bf16 (as PyTorch's CPU flash
+//           attention does before its P V product);
+//   values: o_i = sum over ranks, in chunks of 32 ranks (0-31, 32-63, ...), one tile product
+//           per chunk and 16 output dims, accumulated in fp32 in chunk order; a chunk's values
+//           are its ranks' keys in list order, the ranks past the row's list padded with
+//           weight 0 and value 0. Chunks every row of a work item has in its contiguous
+//           prefix are computed for 16 rows at once from the cache's values; the rest (the
+//           chunk that reaches into a row's tree ancestors, and later ones) per row, from its
+//           gathered values, continuing the same accumulators;
+//   output: o_i * (1 / softmax total), rounded to bf16 once.
+// A chunk therefore sees the same inputs in the same order whether it was computed shared or
+// per row, in a tree of 32 nodes or in a one-token forward: the same bits. The arithmetic
+// differs from ``attention.cpp``'s fp32 kernel (bf16 products, bf16 weights), so a process
+// uses one of the two for every call (``amx_listed_on``), decided once.
+//
+// Work split: items of (batch, kv head, a share of the query rows), every row's grouped heads
+// in one item, at least two items per thread where the rows allow it.
+//
+// Knows: Linux's permission request for tile data (arch_prctl), tile configuration, head
+// sizes that are multiples of 32. Does not know trees or caches: the caller lists the keys.
+
+#include "attention_amx.h"
+
+#include "vec16.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define CADENCE_AMX 1
+#endif
+
+namespace cadence {
+
+#ifdef CADENCE_AMX
+namespace {
+
+using namespace vec;
+
+// Tile data needs the kernel's permission once per process (Linux 5.16+).
+bool permitted() {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return ok;
+}
+
+bool env_allows() {
+  const char* e = std::getenv("CADENCE_AMX");
+  if (e == nullptr) return true;
+  const std::string s(e);
+  return !(s == "0" || s == "false" || s == "off" || s == "no");
+}
+
+// palette 1, tiles 0-7 all 16 rows x 64 bytes (16 fp32 or 32 bf16 per row)
+void configure_tiles() {
+  struct alignas(64) Config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+typedef uint16_t bf16;  // raw bits
+
+// 16 floats -> bf16, round to nearest even (finite inputs: x + 0x7FFF + its bit 16, top half)
+inline void round16(__m512 v, bf16* out) {
+  __m512i u = _mm512_castps_si512(v);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                        _mm512_set1_epi32(1))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+// n floats (n a multiple of 16) times ``mul`` -> bf16, as ``round16``
+inline void round_row(const float* x, bf16* out, int64_t n, float mul = 1.0f) {
+  const __m512 f = _mm512_set1_ps(mul);
+  for (int64_t j = 0; j < n; j += 16) round16(_mm512_mul_ps(_mm512_loadu_ps(x + j), f), out + j);
+}
+
+// 16 x 16 32-bit words: out row p = word p of every input row (rows[j] -> 16 words each)
+inline void transpose16(const uint32_t* const* rows, uint32_t* out) {
+  __m512i r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = rows[j] ? _mm512_loadu_si512(rows[j]) : _mm512_setzero_si512();
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {
+    r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+    r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+    r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+    r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+  }
+  // r[4a + b] now holds, per 128-bit lane L, words 4L + b' of rows 4a..4a+3 (b' the word index)
+  for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 4; ++b) {
+      t[8 * a + b] = _mm512_shuffle_i32x4(r[8 * a + b], r[8 * a + 4 + b], 0x88);
+      t[8 * a + 4 + b] = _mm512_shuffle_i32x4(r[8 * a + b], r[8 * a + 4 + b], 0xDD);
+    }
+  for (int b = 0; b < 8; ++b) {
+    r[b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88);
+    r[8 + b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0xDD);
+  }
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + 16 * p, r[p]);
+}
+
+// exp(x) for x <= 0 on 16 lanes: n = round(x / ln 2), r = x - n ln 2 (two parts), Taylor to
+// degree 5 in r by FMAs, times 2^n (scalef); about 3e-6 relative, then rounded to bf16 anyway.
+// Arguments below -87 are clamped there (the result is then below 2^-125).
+inline __m512 exp5(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 120);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// One work item: rows [r0, r1) of batch bi against kv head kvh; vector i = (r - r0) * g + h
+// (the g query heads of a row next to each other, so a row's tail is one tile product).
+struct AmxItem {
+  const bf16 *Q, *K, *V;      // q rows of head h: Q + h * qh + r * qr; K, V: this (bi, kvh)
+  int64_t qh, qr, sk, sv, L;  // strides (elements); L: slots in the cache
+  int64_t D, g, bi, n, r0, r1;
+  float scale;
+  const Lists* lists;
+  bf16* O;      // output of head h, row r: O + h * oh + r * orow
+  int64_t oh, orow;
+
+  struct Buf {
+    std::vector<bf16> q, kt, vt, p, tail;
+    std::vector<float> s, sr, acc, inv, cs;
+    std::vector<int64_t> at;  // tails: row r's chunks are [at[r], at[r + 1])
+  };
+
+  int64_t row(int64_t i) const { return bi * n + r0 + i / g; }
+
+  void operator()(Buf& b) const {
+    const int64_t m = (r1 - r0) * g, m16 = (m + 15) / 16 * 16, steps = D / 32, dts = D / 16;
+    int64_t lk = 0, longest = 0, shared = INT64_MAX;  // slots scored, longest list, shared prefix
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t rw = bi * n + r;
+      lk = std::max<int64_t>(lk, lists->prefix[rw]);
+      for (int64_t j = 0; j < lists->count[rw]; ++j) lk = std::max<int64_t>(lk, lists->extra[rw * lists->E + j] + 1);
+      longest = std::max<int64_t>(longest, lists->size(rw));
+      shared = std::min<int64_t>(shared, lists->prefix[rw]);
+    }
+    const int64_t lk16 = (lk + 15) / 16 * 16, width = (longest + 31) / 32 * 32, chunks = shared / 32;
+    pack_queries(b, m, m16);
+    pack_keys(b, lk16);
+    scores(b, m16, lk16);
+    weights(b, m, m16, lk16, width);
+    pack_values(b, chunks);
+    b.acc.resize((m16 + 16) * D);  // a tail's 16-row tiles may read past m16
+    for (int64_t mt = 0; mt < m16 / 16; ++mt)  // shared chunks, 16 vectors at a time
+      for (int64_t t0 = 0; t0 < dts; t0 += 4)
+        values(b.p.data() + mt * 16 * width, width, b.vt.data(), chunks, dts, t0, std::min<int64_t>(4, dts - t0),
+               b.acc.data() + mt * 16 * D, D, true);
+    tails(b, chunks * 32, width);
+  }
+
+  // queries as A tiles: (m16, D) bf16, rows past m zero
+  void pack_queries(Buf& b, int64_t m, int64_t m16) const {
+    b.q.resize(m16 * D);
+    std::memset(b.q.data() + m * D, 0, (m16 - m) * D * 2);
+    for (int64_t i = 0; i < m; ++i)
+      std::memcpy(b.q.data() + i * D, Q + (i % g) * qh + (r0 + i / g) * qr, D * 2);
+  }
+
+  // keys as B tiles: block (kb, s) holds slots kb*16 + j (j < 16), dims s*32 + 2p + e at
+  // [p][2j + e]: the 16 x 16 transpose of the block's 32-bit dim pairs; slots past L zero
+  void pack_keys(Buf& b, int64_t lk16) const {
+    const int64_t steps = D / 32;
+    b.kt.resize(lk16 * D);
+    uint32_t* out = reinterpret_cast<uint32_t*>(b.kt.data());
+    for (int64_t kb = 0; kb < lk16 / 16; ++kb)
+      for (int64_t s = 0; s < steps; ++s) {
+        const uint32_t* rows[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          const int64_t slot = kb * 16 + j;
+          rows[j] = slot < L ? reinterpret_cast<const uint32_t*>(K + slot * sk + s * 32) : nullptr;
+        }
+        transpose16(rows, out + (kb * steps + s) * 256);
+      }
+  }
+
+  // b.s (m16, lk16) = Q K^T over slots [0, lk16), four key blocks at a time (four
+  // accumulators in flight); a score is one tile element's, whichever block it is in
+  void scores(Buf& b, int64_t m16, int64_t lk16) const {
+    const int64_t steps = D / 32, kbs = lk16 / 16, blk = steps * 512;
+    b.s.resize(m16 * lk16);
+    for (int64_t mt = 0; mt < m16 / 16; ++mt)
+      for (int64_t kb = 0; kb < kbs; kb += 4) {
+        const int64_t nk = std::min<int64_t>(4, kbs - kb);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t s = 0; s < steps; ++s) {
+          const bf16* kt = b.kt.data() + (kb * steps + s) * 512;
+          _tile_loadd(0, b.q.data() + mt * 16 * D + s * 32, D * 2);
+          _tile_loadd(1, kt, 64);
+          _tile_dpbf16ps(4, 0, 1);
+          if (nk > 1) {
+            _tile_loadd(2, kt + blk, 64);
+            _tile_dpbf16ps(5, 0, 2);
+          }
+          if (nk > 2) {
+            _tile_loadd(3, kt + 2 * blk, 64);
+            _tile_dpbf16ps(6, 0, 3);
+          }
+          if (nk > 3) {
+            _tile_loadd(1, kt + 3 * blk, 64);
+            _tile_dpbf16ps(7, 0, 1);
+          }
+        }
+        float* out = b.s.data() + mt * 16 * lk16 + kb * 16;
+        _tile_stored(4, out, lk16 * 4);
+        if (nk > 1) _tile_stored(5, out + 16, lk16 * 4);
+        if (nk > 2) _tile_stored(6, out + 32, lk16 * 4);
+        if (nk > 3) _tile_stored(7, out + 48, lk16 * 4);
+      }
+  }
+
+  // vector i's scores in list order (scaled) -> softmax weights, rounded to bf16 into b.p
+  // row i (zero past its list); b.inv[i] = 1 / the fp32 weights' total. The max is exact
+  // whatever the order; the total adds 16-lane blocks alternately into two accumulators,
+  // then the lanes' fixed reduction.
+  void weights(Buf& b, int64_t m, int64_t m16, int64_t lk16, int64_t width) const {
+    b.sr.resize(width + 16);
+    b.p.resize((m16 + 16) * width);  // padding rows: their outputs are dropped
+    b.inv.resize(m);
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t rw = row(i), c = lists->size(rw), pre = lists->prefix[rw];
+      const float* s = b.s.data() + i * lk16;
+      const int32_t* extra = lists->extra + rw * lists->E;
+      float* sr = b.sr.data();
+      __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+      int64_t j = 0;
+      for (; j + 32 <= pre; j += 32) {
+        const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + j), sc), x1 = _mm512_mul_ps(_mm512_loadu_ps(s + j + 16), sc);
+        _mm512_storeu_ps(sr + j, x0), _mm512_storeu_ps(sr + j + 16, x1);
+        m0 = _mm512_max_ps(m0, x0), m1 = _mm512_max_ps(m1, x1);
+      }
+      float top = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+      for (; j < c; ++j) {
+        sr[j] = s[j < pre ? j : extra[j - pre]] * scale;
+        top = std::max(top, sr[j]);
+      }
+      const __m512 t = _mm512_set1_ps(top);
+      __m512 z[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      bf16* p = b.p.data() + i * width;
+      const int64_t w16 = (c + 15) / 16 * 16;
+      for (int64_t j0 = 0; j0 < w16; j0 += 16) {
+        const __mmask16 live = j0 + 16 <= c ? 0xFFFF : static_cast<__mmask16>((1u << (c - j0)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp5(_mm512_sub_ps(_mm512_loadu_ps(sr + j0), t)));
+        z[(j0 / 16) & 1] = _mm512_add_ps(z[(j0 / 16) & 1], e);
+        round16(e, p + j0);
+      }
+      std::memset(p + w16, 0, (width - w16) * 2);
+      b.inv[i] = 1.0f / _mm512_reduce_add_ps(_mm512_add_ps(z[0], z[1]));
+    }
+  }
+
+  // values of slots [0, chunks * 32) as B tiles: chunk c, dim tile t holds ranks 32c + 2p + e,
+  // dims 16t + d at [p][2d + e]
+  void pack_values(Buf& b, int64_t chunks) const {
+    b.vt.resize(chunks * 32 * D);
+    for (int64_t c = 0; c < chunks; ++c) interleave(V + c * 32 * sv, sv, nullptr, 32, b.vt.data() + c * 32 * D);
+  }
+
+  // 32 value rows (row j at base + j * stride, or base + slots[j] * stride) -> one chunk of
+  // B tiles (D / 16 tiles of 512); rows from ``real`` on are zero
+  void interleave(const bf16* base, int64_t stride, const int64_t* slots, int64_t real, bf16* out) const {
+    for (int64_t p = 0; p < 16; ++p) {
+      const int64_t j = 2 * p;
+      const bf16* a = j < real ? base + (slots ? slots[j] : j) * stride : nullptr;
+      const bf16* b = j + 1 < real ? base + (slots ? slots[j + 1] : j + 1) * stride : nullptr;
+      for (int64_t t = 0; t < D / 16; ++t) {
+        const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * t)))
+                             : _mm512_setzero_si512();
+        const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * t)))
+                             : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + t * 512 + p * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  }
+
+  // every row's chunks past the shared ones (ranks [start, its list's end)), in three passes
+  // so no tile reads what was just stored: gather each row's values into b.tail; continue
+  // its g vectors' accumulators (acc rows i0..) in tiles stored to its own 16-row scratch in
+  // b.cs (rows past g dropped); then every row's output.
+  void tails(Buf& b, int64_t start, int64_t width) const {
+    const int64_t rows = r1 - r0, dts = D / 16;
+    b.at.resize(rows + 1);
+    b.at[0] = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t c = lists->size(row(r * g));
+      b.at[r + 1] = b.at[r] + (c > start ? (c - start + 31) / 32 : 0);
+    }
+    b.tail.resize(b.at[rows] * 32 * D);
+    int64_t slots[32];
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t rw = row(r * g), c = lists->size(rw);
+      for (int64_t ch = 0; ch < b.at[r + 1] - b.at[r]; ++ch) {
+        const int64_t real = std::min<int64_t>(32, c - start - ch * 32);
+        for (int64_t j = 0; j < real; ++j) slots[j] = lists->key(rw, start + ch * 32 + j);
+        interleave(V, sv, slots, real, b.tail.data() + (b.at[r] + ch) * 32 * D);
+      }
+    }
+    b.cs.resize(rows * 16 * D);
+    for (int64_t r = 0; r < rows; ++r)
+      if (b.at[r + 1] > b.at[r])
+        for (int64_t t0 = 0; t0 < dts; t0 += 4)
+          values(b.p.data() + r * g * width + start, width, b.tail.data() + b.at[r] * 32 * D, b.at[r + 1] - b.at[r], dts,
+                 t0, std::min<int64_t>(4, dts - t0), b.acc.data() + r * g * D, D, false, b.cs.data() + r * 16 * D);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* acc = b.at[r + 1] > b.at[r] ? b.cs.data() + r * 16 * D : b.acc.data() + r * g * D;
+      for (int64_t h = 0; h < g; ++h) round_row(acc + h * D, O + h * oh + (r0 + r) * orow, D, b.inv[r * g + h]);
+    }
+  }
+
+  // acc (16 rows, row stride ``as`` floats), dim tiles [t0, t0 + nt), nt <= 4 += P (16 rows,
+  // row stride ``ps``, chunk c at columns 32c) x the packed value chunks ``vt`` (dts tiles each);
+  // ``fresh``: from zero instead of acc; ``dst``: stored there (same strides) instead of acc
+  static void values(const bf16* p, int64_t ps, const bf16* vt, int64_t nchunks, int64_t dts, int64_t t0, int64_t nt,
+                     float* acc, int64_t as, bool fresh, float* dst = nullptr) {
+    if (fresh) {  // accumulators start at zero
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+    } else {
+      _tile_loadd(4, acc + (t0 + 0) * 16, as * 4);
+      if (nt > 1) _tile_loadd(5, acc + (t0 + 1) * 16, as * 4);
+      if (nt > 2) _tile_loadd(6, acc + (t0 + 2) * 16, as * 4);
+      if (nt > 3) _tile_loadd(7, acc + (t0 + 3) * 16, as * 4);
+    }
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const bf16* v = vt + (c * dts + t0) * 512;
+      _tile_loadd(0, p + c * 32, ps * 2);
+      _tile_loadd(1, v, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      if (nt > 1) {
+        _tile_loadd(2, v + 512, 64);
+        _tile_dpbf16ps(5, 0, 2);
+      }
+      if (nt > 2) {
+        _tile_loadd(3, v + 1024, 64);
+        _tile_dpbf16ps(6, 0, 3);
+      }
+      if (nt > 3) {
+        _tile_loadd(1, v + 1536, 64);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+    }
+    float* out = dst ? dst : acc;
+    _tile_stored(4, out + (t0 + 0) * 16, as * 4);
+    if (nt > 1) _tile_stored(5, out + (t0 + 1) * 16, as * 4);
+    if (nt > 2) _tile_stored(6, out + (t0 + 2) * 16, as * 4);
+    if (nt > 3) _tile_stored(7, out + (t0 + 3) * 16, as * 4);
+  }
+};
+
+int state = -1;  // -1 undecided, 0 off, 1 on
+
+}  // namespace
+
+bool amx_listed_on() {
+  if (state < 0) state = env_allows() && permitted() ? 1 : 0;
+  return state == 1;
+}
+
+bool set_amx_listed(bool on) {
+  const bool was = amx_listed_on();
+  state = on && permitted() ? 1 : 0;
+  return was;
+}
+
+void amx_listed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const vec::Lists& lists,
+                          at::Tensor& out, float scale) {
+  const int64_t b = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), KV = k.size(1), g = H / KV;
+  TORCH_CHECK(D % 32 == 0 && g <= 16 && q.scalar_type() == at::kBFloat16 && out.stride(3) == 1,
+              "listed_attention (AMX): bf16, head_dim a multiple of 32, at most 16 heads per kv head");
+  const int64_t pieces = std::min<int64_t>(n, std::max<int64_t>(1, (2 * at::get_num_threads() + b * KV - 1) / (b * KV)));
+  const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
+  const bf16* kp = reinterpret_cast<const bf16*>(k.data_ptr<at::BFloat16>());
+  const bf16* vp = reinterpret_cast<const bf16*>(v.data_ptr<at::BFloat16>());
+  bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, b * KV * pieces, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    thread_local AmxItem::Buf buf;  // reused across calls
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t piece = item % pieces, kvh = (item / pieces) % KV, bi = item / (pieces * KV);
+      const int64_t r0 = piece * n / pieces, r1 = (piece + 1) * n / pieces;
+      if (r0 == r1) continue;
+      const AmxItem work{qp + bi * q.stride(0) + kvh * g * q.stride(1), kp + bi * k.stride(0) + kvh * k.stride(1),
+                         vp + bi * v.stride(0) + kvh * v.stride(1), q.stride(1), q.stride(2), k.stride(2), v.stride(2),
+                         k.size(2), D, g, bi, n, r0, r1, scale, &lists, op + bi * out.stride(0) + kvh * g * out.stride(1), out.stride(1), out.stride(2)};
+      work(buf);
+    }
+    _tile_release();
+  });
+}
+
+#else  // built without AMX
+
+bool amx_listed_on() { return false; }
+bool set_amx_listed(bool) { return false; }
+void amx_listed_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const vec::Lists&, at::Tensor&,
+                          float) {
+  TORCH_CHECK(false, "listed_attention: built without AMX");
+}
+
+#endif
+
+}  // namespace cadence
