@@ -7,6 +7,12 @@ whole model does not fit in the cache: every timed call uses another copy of the
 figure is the median over rounds of the mean per call. Kinds: ``onednn`` (prepacked bf16 /
 fp32, the default), ``int8`` (``--quant int8``), ``int4`` (``--quant int4``'s projections).
 
+It also times a warm, compute-bound product (1024 x 1024 x 1024, the same dtype) on 1 and on
+all threads: the machine's matrix throughput, and whether its threads have matrix units of
+their own (two vCPUs sharing one core's AMX unit scale by about 1.1x, not 2x). Rows of a tree
+cost 2 * rows * parameters FLOP per forward; against this peak that bounds how cheap a
+32-node verify can be.
+
 Usage:  python benchmarks/kernel_cost.py [--dtype bfloat16] [--rows 1 4 8] [--kinds onednn] [--rounds 5]
 Writes benchmarks/results/kernel-cost-<cpu>.json and prints a markdown table.
 """
@@ -65,6 +71,25 @@ def time_kind(kind: str, shape: tuple[int, int], rows: int, dtype: torch.dtype, 
     return statistics.median(per_round)
 
 
+def peak_tflops(dtype: torch.dtype, threads: int, n: int = 1024, calls: int = 100) -> float:
+    """Warm n x n x n matrix products on ``threads`` threads: TFLOP/s, best of 3 rounds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        for _ in range(10):
+            a @ b
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(calls):
+                a @ b
+            best = min(best, (time.perf_counter() - t) / calls)
+        return round(2 * n ** 3 / best / 1e12, 3)
+    finally:
+        torch.set_num_threads(before)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -90,11 +115,14 @@ def main() -> None:
     per_layer = {k: {r: round(sum(table[n][k][r] for n in ("qkv", "o", "gate_up", "down")), 4) for r in args.rows}
                  for k in args.kinds}
     print("| one decoder layer | " + " | ".join(f"{per_layer[k][r]:.3f}" for k in args.kinds for r in args.rows) + " |")
+    threads = torch.get_num_threads()
+    peak = {1: peak_tflops(dtype, 1), threads: peak_tflops(dtype, threads)}
+    print(f"\nwarm 1024^3 {args.dtype} product: " + ", ".join(f"{t} thread(s) {v} TFLOP/s" for t, v in peak.items()))
     slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
     out = Path(args.out or f"benchmarks/results/kernel-cost-{slug}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": info, "dtype": args.dtype, "cold_bytes": COLD_BYTES, "ms": table,
-                               "decoder_layer_ms": per_layer},
+                               "decoder_layer_ms": per_layer, "peak_tflops_by_threads": peak},
                               indent=2))
     print(f"\nwrote {out} (milliseconds per call)")
 
