@@ -5,8 +5,8 @@
    row-consistent bf16 backbone, where a branching tree attends once per root-to-leaf path;
    logits for every node, as a verify pass needs) on a fixed context, for
    each backend and dtype (fp32; bf16 only where the CPU computes bf16 natively), median of
-   interleaved repetitions (every rep runs every (backend, n) once; the backend order
-   alternates), relative to n = 1, and the knee: the first n whose cost exceeds 1.3x T(1).
+   interleaved repetitions (every rep runs every (backend, n) once, the sizes in a new
+   random order, the backend order alternating), relative to n = 1, and the knee: the first n whose cost exceeds 1.3x T(1).
 2. Greedy decoding tokens/s on a few prompts: transformers ``generate`` against a plain
    greedy loop over the fast backbone's ``forward`` (and cadence's engine with no drafter,
    when ``cadence.engine`` imports), interleaved per prompt, warm-up excluded, with the rate
@@ -71,10 +71,14 @@ def curve(backbones: dict, context: int, sizes, reps: int, shape=binary_tree) ->
     trees = {n: shape(n) for n in sizes}
     gen = torch.Generator().manual_seed(1)
     names = list(backbones)
+    order = torch.Generator().manual_seed(2)
     for rep in range(reps + 1):  # rep 0 warms up every shape
+        # sizes in a new random order each rep: the first forward after another backbone's
+        # (whose weights evicted this one's from the caches) is not always the 1-node one
+        perm = [sizes[i] for i in torch.randperm(len(sizes), generator=order).tolist()]
         for name in (names if rep % 2 else names[::-1]):
             bb, cache = backbones[name], caches[name]
-            for n in sizes:
+            for n in perm:
                 mask, depth = trees[n]
                 toks = torch.randint(100, 1000, (1, n), generator=gen).to(bb.device)
                 pos = (depth + context)[None].to(bb.device)

@@ -175,3 +175,19 @@ def test_fused_swiglu_matches_silu_times_up_and_keeps_each_rows_bits(dtype):
         assert ((got.double() - ref).abs() <= 2 * step * ref.abs() + 1e-30).all(), width
         assert torch.equal(ops.silu_mul(gu[1:2, 7:8].clone()), got[1:2, 7:8])
     assert got.shape == (2, 20, 37) and got.dtype == dtype
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_add_and_norm_give_the_two_calls_bits(dtype):
+    """``add_rms_norm(x, d, w)`` = (x + d, rms_norm(x + d)) bit for bit, row by row."""
+    ops = native.module()
+    gen = torch.Generator().manual_seed(4)
+    x, d = ((torch.randn(2, 9, 576, generator=gen) * 3).to(dtype) for _ in range(2))
+    w = (torch.randn(576, generator=gen) * 0.5 + 1).to(dtype)
+    s, h = ops.add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(s, x + d) and torch.equal(h, ops.rms_norm(x + d, w, 1e-5))
+    s1, h1 = ops.add_rms_norm(x[1:2, 4:5].clone(), d[1:2, 4:5].clone(), w, 1e-5)
+    assert torch.equal(s1, s[1:2, 4:5]) and torch.equal(h1, h[1:2, 4:5])
+    with pytest.raises(RuntimeError, match="add_rms_norm"):
+        ops.add_rms_norm(x, d[:, :3], w, 1e-5)

@@ -312,21 +312,23 @@ class PathAttention:
         return out
 
 
-def pad_rows(input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None):
+def pad_rows(input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+             rows: int = MIN_QUERIES):
     """A forward of n < MIN_QUERIES rows padded up front to MIN_QUERIES, so that no GEMM or
     attention call inside it needs padding of its own: each extra row repeats the last one
     (token, position, the keys it sees; not itself), so its outputs equal the last row's
     and are dropped. Its key and value land in cache slots past the real rows, where no
     real row looks. input_ids, positions: (b, n); tree_mask: (n, n) bool or None (causal)
-    -> the same, with MIN_QUERIES rows (and columns). Example: n = 1 -> rows 1-3 repeat
-    row 0; mask [[T, F, F, F]] * 4."""
+    -> the same, with ``rows`` rows (and columns; MIN_QUERIES by default, MIN_ROWS where
+    attention needs no padding). Example: n = 1 -> rows 1-3 repeat row 0; mask
+    [[T, F, F, F]] * 4."""
     b, n = input_ids.shape
-    extra = MIN_QUERIES - n
+    extra = rows - n
     ids = torch.cat([input_ids, input_ids[:, -1:].expand(b, extra)], dim=1)
     pos = torch.cat([positions, positions[:, -1:].expand(b, extra)], dim=1)
     if tree_mask is None:
         tree_mask = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril_()
-    mask = torch.zeros(MIN_QUERIES, MIN_QUERIES, dtype=torch.bool, device=input_ids.device)
+    mask = torch.zeros(rows, rows, dtype=torch.bool, device=input_ids.device)
     mask[:n, :n] = tree_mask.to(device=input_ids.device, dtype=torch.bool)
     mask[n:, :n] = mask[n - 1, :n]
     return ids, pos, mask

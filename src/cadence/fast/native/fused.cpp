@@ -57,6 +57,13 @@ void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps) 
   }
 }
 
+// xs = x + d (rounded to T, as ATen's add), then y = rms_rows of xs
+template <typename T>
+void add_rms_rows(const T* x, const T* d, const T* w, T* xs, T* y, int64_t rows, int64_t D, float eps) {
+  for (int64_t j = 0; j < rows * D; ++j) xs[j] = static_cast<T>(static_cast<float>(x[j]) + static_cast<float>(d[j]));
+  rms_rows(xs, w, y, rows, D, eps);
+}
+
 // x: rows of (heads, D) at row stride sx (last two dims contiguous); cos/sin: (rows, D)
 template <typename T>
 void rope_rows(const T* x, int64_t sx, const T* cos, const T* sin, T* y, int64_t rows, int64_t heads,
@@ -218,6 +225,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, D, static_cast<float>(eps));
   }
   return y;
+}
+
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& d, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == d.scalar_type() && x.scalar_type() == weight.scalar_type() && x.sizes() == d.sizes(),
+              "add_rms_norm: x, d and weight of one dtype, x and d of one shape");
+  TORCH_CHECK(x.device().is_cpu() && d.device().is_cpu(), "add_rms_norm: CPU only");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D, "add_rms_norm: weight size");
+  at::Tensor xc = x.contiguous(), dc = d.contiguous(), wc = weight.contiguous();
+  at::Tensor xs = at::empty(x.sizes(), x.options()), y = at::empty(x.sizes(), x.options());
+  const int64_t rows = D ? xc.numel() / D : 0;
+  if (x.scalar_type() == at::kBFloat16) {
+    add_rms_rows(xc.data_ptr<at::BFloat16>(), dc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(),
+                 xs.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, D, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "add_rms_norm: float32 or bfloat16");
+    add_rms_rows(xc.data_ptr<float>(), dc.data_ptr<float>(), wc.data_ptr<float>(), xs.data_ptr<float>(),
+                 y.data_ptr<float>(), rows, D, static_cast<float>(eps));
+  }
+  return {xs, y};
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

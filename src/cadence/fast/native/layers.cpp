@@ -23,6 +23,8 @@
 
 #include <cmath>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -46,6 +48,18 @@ at::Tensor rms(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (fusable(x)) return cadence::rms_norm(x, weight, eps);
   at::Tensor y = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps);
   return weight * y.to(x.scalar_type());
+}
+
+// (x + d, rms(x + d)): the residual add and the next norm (``FastBackbone._add_norm``)
+std::pair<at::Tensor, at::Tensor> add_rms(const at::Tensor& x, const at::Tensor& d, const at::Tensor& weight,
+                                          double eps) {
+  if (fusable(x) && d.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type() &&
+      d.sizes() == x.sizes()) {
+    auto r = cadence::add_rms_norm(x, d, weight, eps);
+    return {r[0], r[1]};
+  }
+  at::Tensor s = x + d;
+  return {s, rms(s, weight, eps)};
 }
 
 // x * cos + rotate_half(x) * sin for x (b, n, heads, head_dim) (``FastBackbone._rope``)
@@ -108,9 +122,9 @@ class Layers {
     const int64_t b = input_ids.size(0), n = input_ids.size(1);
     const int64_t H = heads_, KV = kv_, hd = hd_;
     at::Tensor x = at::embedding(embed_, input_ids);
+    at::Tensor h = rms(x, layers_.empty() ? final_norm_ : layers_[0].ln1, eps_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
-      at::Tensor h = rms(x, L.ln1, eps_);
       at::Tensor qkv = L.qkv(h, blocked);
       at::Tensor q, k;
       if (qk_norm_) {
@@ -129,15 +143,16 @@ class Layers {
           ? (lists ? listed(i, q, k, v, *k_cache, *v_cache, past, *lists)
                    : attention(i, q, k, v, k_cache, v_cache, past, keys, mask, folded, causal, min_queries))
           : attend(static_cast<int64_t>(i), q, k, v).cast<at::Tensor>();
-      x = x + L.o(att.transpose(1, 2).reshape({b, n, H * hd}), blocked);
-      h = rms(x, L.ln2, eps_);
+      std::tie(x, h) = add_rms(x, L.o(att.transpose(1, 2).reshape({b, n, H * hd}), blocked), L.ln2, eps_);
       at::Tensor gu = L.gate_up(h, blocked);
-      x = x + L.down(swiglu(gu), blocked);
+      // the residual add and the next layer's first norm (the final norm after the last)
+      std::tie(x, h) = add_rms(x, L.down(swiglu(gu), blocked), i + 1 < layers_.size() ? layers_[i + 1].ln1 : final_norm_,
+                               eps_);
       for (size_t j = 0; j < taps.size(); ++j) {
         if (tap_out && taps[j] == static_cast<int64_t>(i) + 1) tap_out->select(2, static_cast<int64_t>(j)).copy_(x);
       }
     }
-    return rms(x, final_norm_, eps_);
+    return h;
   }
 
  private:
@@ -196,6 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, std::optional<at::Tensor>, at::Tensor>())
       .def("set_linears", &cadence::DraftBlock::set_linears)
       .def("forward", &cadence::DraftBlock::forward);
+  m.def("add_rms_norm", &cadence::add_rms_norm, "[x + d, weight * rms_norm(x + d)] in one call (fused.cpp)");
   m.def("rms_norm", &cadence::rms_norm, "weight * rms_norm(x) in x's dtype, one pass per row (fused.cpp)");
   m.def("listed_attention_amx", &cadence::amx_listed_on,
         "whether bf16 listed_attention runs on AMX tiles in this process (attention_amx.cpp)");
