@@ -172,8 +172,8 @@ class ForwardOut:
     """Result of one backbone forward over n new positions."""
 
     hidden: torch.Tensor  # (batch, n, d_model) last layer, after the final norm
-    # (batch, n, vocab) float32; bfloat16 from a bf16 fast backbone on CPU (exact head outputs:
-    # widen with .float() before arithmetic; argmax, probs and entropy take either)
+    # (batch, n, vocab) float32; bfloat16 from a bf16 fast backbone's ``forward`` on CPU (exact head
+    # outputs: widen with .float() before arithmetic; argmax, probs and entropy take either)
     logits: torch.Tensor
     # (batch, n, len(taps), d_model): the residual stream after decoder layer j (1-based) for each
     # requested tap j, unnormed; None when no taps were asked for (EAGLE-3-style drafter inputs)

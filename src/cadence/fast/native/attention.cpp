@@ -30,6 +30,9 @@
 // ``shared_values``); a row's own ranks (its tree ancestors) are gathered per row. Items are
 // (batch, kv head, a share of the query vectors of that kv head), at least two per thread.
 //
+// On a CPU with AMX, bf16 calls go to ``attention_amx.cpp`` instead (the same contract, other
+// arithmetic; one of the two for every call of a process).
+//
 // Knows: float32 and bfloat16 inputs whose last dimension is contiguous, grouped-query
 // heads, head sizes 16 x {1, 2, 4, 6, 8, 12, 16}. Does not know trees or caches: the caller
 // lists the keys.
