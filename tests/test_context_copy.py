@@ -144,3 +144,22 @@ def test_sampled_copies_are_accepted_on_a_looping_model(looping):
     assert len(g.tokens) == len(plain.tokens) == 64
     assert plain.stats.tau < 1.5 and g.stats.tau > 1.5, (plain.stats.tau, g.stats.tau)
     assert g.stats.accepted_at_depth[K] > 0  # past the heads' K only copies exist
+
+
+def test_a_node_without_a_candidate_takes_its_subtree_along(llama, monkeypatch):
+    """At T > 0 a node whose copy held all of q gets no draws besides it, so its rank-1 sibling
+    goes unfilled. Its children must go too, not be drafted from a parent state that was
+    never computed (a KeyError on the AMX Xeon's branching trees, session 23)."""
+    heads = new_heads("hydra", llama, K, random=True, seed=1)
+    drafter = HeadDrafter(heads, CopyConfig(), copy_depth=K)
+    real = drafter._candidates
+
+    def one_for_the_root(logits, vocab_ids, nodes, widths, *args):
+        cands, q = real(logits, vocab_ids, nodes, widths, *args)
+        return [c[:1] if node == 0 else c for c, node in zip(cands, nodes)], q
+
+    monkeypatch.setattr(drafter, "_candidates", one_for_the_root)
+    tree = compile_tree([(0,), (1,), (1, 0), (1, 0, 0)])
+    d = drafter.draft(tree, 7, torch.zeros(llama.hidden_size), [1, 2, 3, 4], SamplingParams(temperature=1.0),
+                      torch.Generator().manual_seed(0), drafter.new_index())
+    assert d.tree is not None and list(d.tree.paths) == [(0,)] and len(d.tokens) == 2

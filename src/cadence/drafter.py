@@ -216,6 +216,9 @@ class HeadDrafter:
         filled = [True] * n
         fixed: set[int] = set()  # T > 0: children holding a context copy (a point-mass proposal)
         for depth in sorted(by_depth):
+            for i in by_depth[depth]:  # a node under one that got no candidate goes with it
+                if depth and not filled[tree.parents[i]]:
+                    filled[i] = False
             nodes = [i for i in by_depth[depth] if filled[i]]
             if not nodes:
                 continue
