@@ -3,7 +3,8 @@ top-p through a full sort (the old rule) against ``outside_nucleus`` (top-k 128/
 and ``torch.multinomial`` against ``sampling.categorical``'s inverse CDF, on SmolLM2's
 vocabulary (49,152) with logits from the real model's replies when ``--model`` loads,
 else Gaussian logits scaled to a peaked distribution. Milliseconds per call, median of
-``--reps`` runs of ``--calls`` calls, old and new interleaved.
+``--reps`` runs of ``--calls`` calls, old and new interleaved. Greedy's share: torch's
+``argmax`` against ``sampling.argmax`` (the native kernel) for one row and for 32 rows.
 
 Usage:  python benchmarks/sampling_cost.py [--temperature 0.7] [--top-p 0.9] [--out FILE]
 """
@@ -20,7 +21,8 @@ from pathlib import Path
 import torch
 
 from cadence.machine import machine_info, machine_line
-from cadence.sampling import SamplingParams, probs, sample
+from cadence.fast import native
+from cadence.sampling import SamplingParams, argmax, probs, sample
 
 
 def old_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -84,6 +86,14 @@ def main() -> None:
         "draw, torch.multinomial (old)": over(dists, lambda d: torch.multinomial(d, 1, replacement=True, generator=g)),
         "draw, inverse CDF (new)": over(dists, lambda d: sample(d, g)),
     }
+    if native.module() is not None:  # greedy: the argmax of a row, and of a 32-node tree's rows
+        block = torch.stack([rows[i % len(rows)] for i in range(32)])
+        cases.update({
+            "argmax 1 row, torch (old)": over(rows, lambda r: r.argmax(-1)),
+            "argmax 1 row, native (new)": over(rows, argmax),
+            "argmax 32 rows, torch (old)": lambda: block.argmax(-1),
+            "argmax 32 rows, native (new)": lambda: argmax(block),
+        })
     for fn in cases.values():  # warm-up
         timed(fn, 8)
     runs: dict[str, list[float]] = {k: [] for k in cases}
