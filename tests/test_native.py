@@ -155,6 +155,38 @@ def test_fused_norm_and_rope_match_the_aten_form_and_keep_each_rows_bits(dtype):
 
 
 @needs_native
+def test_fused_bf16_rounding_keeps_atens_bits_for_denormals_nan_and_infinity():
+    """The fused kernels round to bf16 with the CPU's conversion where it has one, which
+    flushes denormals and keeps NaN payloads; rows holding those must still get ATen's bits
+    (denormals rounded; NaN stays NaN, as c10's 0x7FC0): RoPE products that land in the
+    denormal range, NaN and infinite inputs, residual sums and norms of such rows."""
+    from cadence.fast import rope
+
+    ops = native.module()
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 3, 4, 64, generator=gen).to(bf)
+    cos = torch.full((1, 3, 1, 64), 3e-39).to(bf)  # x * cos: denormal floats
+    sin = torch.randn(1, 3, 1, 64, generator=gen).to(bf) * 1e-37
+    q[0, 1, 2, 5], q[0, 2, 0, 7], q[0, 2, 1, 40] = float("nan"), float("inf"), -float("inf")
+    got, ref = ops.rope(q, cos, sin), rope.apply(q, cos, sin)
+    assert (ref.float().abs() < 1.2e-38).logical_and(ref != 0).any()  # denormal results are in play
+    def same(a, b):  # bit for bit, NaN for NaN (ATen's vector NaN bits vary)
+        nan = b.isnan()
+        return torch.equal(a.isnan(), nan) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+    assert ref.isnan().any() and same(got, ref)
+    x = torch.randn(2, 9, 64, generator=gen).to(bf) * 1e-38
+    d = torch.randn(2, 9, 64, generator=gen).to(bf) * 1e-38
+    x[1, 3, 2] = float("nan")
+    w = torch.ones(64, dtype=bf)
+    s, h = ops.add_rms_norm(x, d, w, 1e-5)
+    assert same(s, x + d)
+    assert torch.isnan(h[1, 3]).all() and torch.isfinite(h[0]).all()
+    assert (h[1, 3].view(torch.int16) == 0x7FC0).all()  # ATen's NaN
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_swiglu_matches_silu_times_up_and_keeps_each_rows_bits(dtype):
     """silu(gate) * up in one pass: within one rounding step (two in bf16, whose silu is

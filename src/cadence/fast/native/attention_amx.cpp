@@ -72,15 +72,18 @@ bool env_allows() {
   return !(s == "0" || s == "false" || s == "off" || s == "no");
 }
 
-// palette 1, tiles 0-7 all 16 rows x 64 bytes (16 fp32 or 32 bf16 per row)
-void configure_tiles() {
+// palette 1, every tile 64 bytes a row: tiles 1-3 (B) 16 rows, tiles 0 (A) and 4-7 (C)
+// ``rows`` rows (16 for the shared products; a row's g query heads for its own chunks, whose
+// tile products then touch only the rows that are its: a tile row's result depends on that
+// row alone, so the bits are those of a 16-row product)
+void configure_tiles(int rows = 16) {
   struct alignas(64) Config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
   } cfg{};
   cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = (t >= 1 && t <= 3) ? 16 : static_cast<uint8_t>(rows);
   _tile_loadconfig(&cfg);
 }
 
@@ -119,6 +122,22 @@ inline void round_row(const float* x, bf16* out, int64_t n, float mul = 1.0f) {
   for (int64_t j = 0; j < n; j += 16) round16(_mm512_mul_ps(_mm512_loadu_ps(x + j), f), out + j);
 }
 
+// 32 softmax weights (lo, hi: normal floats or zeros) -> bf16 at out, round to nearest even
+// as ``round16``; only lo's 16 when ``both`` is false. One AVX512-BF16 conversion where the
+// CPU has it (the same bits: the weights are never denormal, see ``exp5``).
+inline void round32(__m512 lo, __m512 hi, bf16* out, bool both) {
+#if defined(__AVX512BF16__)
+  if (both) {
+    _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    return;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+#else
+  round16(lo, out);
+  if (both) round16(hi, out + 16);
+#endif
+}
+
 // 16 x 16 32-bit words: out row p = word p of every input row (rows[j] -> 16 words each)
 inline void transpose16(const uint32_t* const* rows, uint32_t* out) {
   __m512i r[16], t[16];
@@ -148,7 +167,8 @@ inline void transpose16(const uint32_t* const* rows, uint32_t* out) {
 
 // exp(x) for x <= 0 on 16 lanes: n = round(x / ln 2), r = x - n ln 2 (two parts), Taylor to
 // degree 5 in r by FMAs, times 2^n (scalef); about 3e-6 relative, then rounded to bf16 anyway.
-// Arguments below -87 are clamped there (the result is then below 2^-125).
+// Arguments below -87 are clamped there (the result is then about 1.4 * 2^-126: never a
+// denormal, so bf16 conversions that flush denormals round it as ``round16`` does).
 inline __m512 exp5(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -177,7 +197,7 @@ struct AmxItem {
 
   struct Buf {
     avec<bf16> q, kt, vt, p, tail;
-    avec<float> s, sr, acc, inv, cs;
+    avec<float> s, sr, acc, inv;
     std::vector<int64_t> at;  // tails: row r's chunks are [at[r], at[r + 1])
   };
 
@@ -281,30 +301,49 @@ struct AmxItem {
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < m; ++i) {
       const int64_t rw = row(i), c = lists->size(rw), pre = lists->prefix[rw];
+      const int64_t p16 = pre / 16 * 16;  // blocks of the prefix read straight from the scores
       const float* s = b.s.data() + i * lk16;
       const int32_t* extra = lists->extra + rw * lists->E;
-      float* sr = b.sr.data();
+      float* sr = b.sr.data();  // scaled scores in list order from p16 on
       __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
       int64_t j = 0;
-      for (; j + 32 <= pre; j += 32) {
-        const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + j), sc), x1 = _mm512_mul_ps(_mm512_loadu_ps(s + j + 16), sc);
-        _mm512_storeu_ps(sr + j, x0), _mm512_storeu_ps(sr + j + 16, x1);
-        m0 = _mm512_max_ps(m0, x0), m1 = _mm512_max_ps(m1, x1);
+      for (; j + 32 <= p16; j += 32) {
+        m0 = _mm512_max_ps(m0, _mm512_mul_ps(_mm512_loadu_ps(s + j), sc));
+        m1 = _mm512_max_ps(m1, _mm512_mul_ps(_mm512_loadu_ps(s + j + 16), sc));
       }
-      float top = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
-      for (; j < c; ++j) {
-        sr[j] = s[j < pre ? j : extra[j - pre]] * scale;
-        top = std::max(top, sr[j]);
+      if (j < p16) m0 = _mm512_max_ps(m0, _mm512_mul_ps(_mm512_loadu_ps(s + j), sc));
+      // the rest in list order: the prefix's last partial block, then the listed slots
+      // (gathered), into sr; lanes past the list are -inf
+      const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      for (int64_t jb = p16; jb < c; jb += 16) {
+        const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(jb)), iota);
+        const __mmask16 live = _mm512_cmplt_epi32_mask(jv, _mm512_set1_epi32(static_cast<int32_t>(c)));
+        const __mmask16 listed = live & ~_mm512_cmplt_epi32_mask(jv, _mm512_set1_epi32(static_cast<int32_t>(pre)));
+        // lane l of the block (rank jb + l >= pre) takes extra[jb + l - pre]; the load's
+        // base may sit before ``extra``, but only its listed lanes are read
+        const auto base = reinterpret_cast<const int32_t*>(reinterpret_cast<uintptr_t>(extra) +
+                                                           static_cast<intptr_t>(jb - pre) * 4);
+        const __m512i idx = _mm512_mask_loadu_epi32(jv, listed, base);
+        const __m512 x = _mm512_mask_i32gather_ps(_mm512_set1_ps(-INFINITY), live, idx, s, 4);
+        const __m512 xs = _mm512_mask_mul_ps(x, live, x, sc);
+        _mm512_storeu_ps(sr + jb, xs);
+        m1 = _mm512_max_ps(m1, xs);
       }
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
       const __m512 t = _mm512_set1_ps(top);
       __m512 z[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
       bf16* p = b.p.data() + i * width;
       const int64_t w16 = (c + 15) / 16 * 16;
-      for (int64_t j0 = 0; j0 < w16; j0 += 16) {
-        const __mmask16 live = j0 + 16 <= c ? 0xFFFF : static_cast<__mmask16>((1u << (c - j0)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp5(_mm512_sub_ps(_mm512_loadu_ps(sr + j0), t)));
-        z[(j0 / 16) & 1] = _mm512_add_ps(z[(j0 / 16) & 1], e);
-        round16(e, p + j0);
+      for (int64_t j0 = 0; j0 < w16; j0 += 32) {  // two blocks of 16 at a time (the second maybe past w16)
+        __m512 e[2];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = j0 + 16 * h;
+          const __mmask16 live = at + 16 <= c ? 0xFFFF : at >= c ? 0 : static_cast<__mmask16>((1u << (c - at)) - 1);
+          const __m512 x = at < p16 ? _mm512_mul_ps(_mm512_loadu_ps(s + at), sc) : _mm512_loadu_ps(sr + at);
+          e[h] = _mm512_maskz_mov_ps(live, exp5(_mm512_sub_ps(x, t)));
+          if (at < w16) z[h] = _mm512_add_ps(z[h], e[h]);
+        }
+        round32(e[0], e[1], p + j0, j0 + 32 <= w16);
       }
       std::memset(p + w16, 0, (width - w16) * 2);
       b.inv[i] = 1.0f / _mm512_reduce_add_ps(_mm512_add_ps(z[0], z[1]));
@@ -335,10 +374,9 @@ struct AmxItem {
     }
   }
 
-  // every row's chunks past the shared ones (ranks [start, its list's end)), in three passes
-  // so no tile reads what was just stored: gather each row's values into b.tail; continue
-  // its g vectors' accumulators (acc rows i0..) in tiles stored to its own 16-row scratch in
-  // b.cs (rows past g dropped); then every row's output.
+  // every row's chunks past the shared ones (ranks [start, its list's end)): gather each
+  // row's values into b.tail, then continue its g vectors' accumulators (acc rows r*g..)
+  // with g-row tiles, then every row's output. The tiles are configured for g rows meanwhile.
   void tails(Buf& b, int64_t start, int64_t width) const {
     const int64_t rows = r1 - r0, dts = D / 16;
     b.at.resize(rows + 1);
@@ -357,23 +395,25 @@ struct AmxItem {
         interleave(V, sv, slots, real, b.tail.data() + (b.at[r] + ch) * 32 * D);
       }
     }
-    b.cs.resize(rows * 16 * D);
-    for (int64_t r = 0; r < rows; ++r)
-      if (b.at[r + 1] > b.at[r])
-        for (int64_t t0 = 0; t0 < dts; t0 += 4)
-          values(b.p.data() + r * g * width + start, width, b.tail.data() + b.at[r] * 32 * D, b.at[r + 1] - b.at[r], dts,
-                 t0, std::min<int64_t>(4, dts - t0), b.acc.data() + r * g * D, D, false, b.cs.data() + r * 16 * D);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* acc = b.at[r + 1] > b.at[r] ? b.cs.data() + r * 16 * D : b.acc.data() + r * g * D;
-      for (int64_t h = 0; h < g; ++h) round_row(acc + h * D, O + h * oh + (r0 + r) * orow, D, b.inv[r * g + h]);
+    if (b.at[rows] > 0) {
+      configure_tiles(static_cast<int>(g));
+      for (int64_t r = 0; r < rows; ++r)
+        if (b.at[r + 1] > b.at[r])
+          for (int64_t t0 = 0; t0 < dts; t0 += 4)
+            values(b.p.data() + r * g * width + start, width, b.tail.data() + b.at[r] * 32 * D, b.at[r + 1] - b.at[r],
+                   dts, t0, std::min<int64_t>(4, dts - t0), b.acc.data() + r * g * D, D, false);
+      configure_tiles();
     }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < g; ++h)
+        round_row(b.acc.data() + (r * g + h) * D, O + h * oh + (r0 + r) * orow, D, b.inv[r * g + h]);
   }
 
-  // acc (16 rows, row stride ``as`` floats), dim tiles [t0, t0 + nt), nt <= 4 += P (16 rows,
-  // row stride ``ps``, chunk c at columns 32c) x the packed value chunks ``vt`` (dts tiles each);
-  // ``fresh``: from zero instead of acc; ``dst``: stored there (same strides) instead of acc
+  // acc (the configured rows, row stride ``as`` floats), dim tiles [t0, t0 + nt), nt <= 4 += P
+  // (as many rows, row stride ``ps``, chunk c at columns 32c) x the packed value chunks ``vt``
+  // (dts tiles each); ``fresh``: from zero instead of acc
   static void values(const bf16* p, int64_t ps, const bf16* vt, int64_t nchunks, int64_t dts, int64_t t0, int64_t nt,
-                     float* acc, int64_t as, bool fresh, float* dst = nullptr) {
+                     float* acc, int64_t as, bool fresh) {
     if (fresh) {  // accumulators start at zero
       _tile_zero(4);
       _tile_zero(5);
@@ -403,11 +443,10 @@ struct AmxItem {
         _tile_dpbf16ps(7, 0, 1);
       }
     }
-    float* out = dst ? dst : acc;
-    _tile_stored(4, out + (t0 + 0) * 16, as * 4);
-    if (nt > 1) _tile_stored(5, out + (t0 + 1) * 16, as * 4);
-    if (nt > 2) _tile_stored(6, out + (t0 + 2) * 16, as * 4);
-    if (nt > 3) _tile_stored(7, out + (t0 + 3) * 16, as * 4);
+    _tile_stored(4, acc + (t0 + 0) * 16, as * 4);
+    if (nt > 1) _tile_stored(5, acc + (t0 + 1) * 16, as * 4);
+    if (nt > 2) _tile_stored(6, acc + (t0 + 2) * 16, as * 4);
+    if (nt > 3) _tile_stored(7, acc + (t0 + 3) * 16, as * 4);
   }
 };
 

@@ -9,6 +9,11 @@
 // one bf16 step of it, and both fast-path loops (C++ and Python) call these kernels, so they
 // agree bit for bit. fp32 differs from ATen's reduction order by about 1e-7 relative.
 //
+// Rows run 16 lanes at a time (bf16 <-> fp32 by AVX512-BF16 where the CPU has it, the same
+// bits as the integer rounding) and, past 8 rows, split across threads: a verify forward's
+// 32 rows cost these kernels 40 us a layer on the AMX Xeon, the scalar single-threaded
+// code 72 (``benchmarks/fused_cost.py``).
+//
 // Knows: float32 and bfloat16 rows whose last dimension is contiguous.
 
 #include "fused.h"
@@ -23,18 +28,69 @@ namespace cadence {
 
 namespace {
 
-constexpr int LANES = 16;  // partial sums of a row, added in a fixed order
+constexpr int LANES = vec::LANES;  // partial sums of a row, added in a fixed order
 
+// Rows of at most this many are done on the calling thread: below it a parallel region
+// costs more than it saves (measured: ``benchmarks/kernel_cost.py``'s fused kernels).
+constexpr int64_t kRowGrain = 8;
+
+// x rounded to T, as float lanes: bf16 rounds to nearest even on the bits (NaN -> 0x7FC0,
+// as c10::BFloat16 does); fp32 as is
+inline vec::v16 round_to(vec::v16 x, float*) { return x; }
+inline vec::u16w bf16_bits_slow(vec::v16 x) {  // the rounding as integer lanes (any input)
+  vec::u16w u;
+  std::memcpy(&u, &x, sizeof u);
+  const vec::u16w rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return x != x ? vec::u16w{} + 0x7FC00000u : rounded;
+}
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#define CADENCE_BF16_CVT 1
+// AVX512-BF16's conversion rounds normal numbers (and zeros, infinities) to nearest even as
+// above in one instruction; it flushes denormals to zero and keeps NaN payloads, so vectors
+// holding those take the integer path (the same bits either way)
+inline bool ordinary(__m512 v) { return _mm512_fpclass_ps_mask(v, 0x01 | 0x20 | 0x80) == 0; }  // no NaN, denormal
+#endif
+inline vec::v16 round_to(vec::v16 x, at::BFloat16*) {
+#if defined(CADENCE_BF16_CVT)
+  const __m512 v = reinterpret_cast<__m512>(x);
+  if (ordinary(v)) {
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16);
+    return reinterpret_cast<vec::v16>(w);
+  }
+#endif
+  const vec::u16w out = bf16_bits_slow(x);
+  vec::v16 r;
+  std::memcpy(&r, &out, sizeof r);
+  return r;
+}
+template <typename T>
+inline vec::v16 round_to(vec::v16 x) { return round_to(x, static_cast<T*>(nullptr)); }
+
+// 16 lanes -> T at out (bf16: rounded as round_to)
+inline void put(float* out, vec::v16 x) { vec::store(out, x); }
+inline void put(at::BFloat16* out, vec::v16 x) {
+#if defined(CADENCE_BF16_CVT)
+  const __m512 v = reinterpret_cast<__m512>(x);
+  if (ordinary(v)) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    return;
+  }
+#endif
+  const vec::h16 h = __builtin_convertvector(bf16_bits_slow(x) >> 16, vec::h16);
+  std::memcpy(out, &h, sizeof h);
+}
+
+// sum of x[j]^2 in LANES partial sums (lane l takes j = l mod LANES), then added in lane order
 template <typename T>
 float sum_squares(const T* x, int64_t D) {
-  float part[LANES] = {0};
+  vec::v16 acc{};
   int64_t j = 0;
   for (; j + LANES <= D; j += LANES) {
-    for (int l = 0; l < LANES; ++l) {
-      const float v = static_cast<float>(x[j + l]);
-      part[l] += v * v;
-    }
+    const vec::v16 v = vec::load(x + j);
+    acc = acc + v * v;
   }
+  float part[LANES];
+  vec::store(part, acc);
   for (int l = 0; j < D; ++j, ++l) {
     const float v = static_cast<float>(x[j]);
     part[l] += v * v;
@@ -44,88 +100,119 @@ float sum_squares(const T* x, int64_t D) {
   return s;
 }
 
+// one row: y = T(w * T(x * rstd)) (the normalised row rounded first, as .to(x.dtype))
 template <typename T>
-void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * D;
-    T* yr = y + r * D;
-    const float rstd = 1.0f / std::sqrt(sum_squares(xr, D) / static_cast<float>(D) + eps);
-    for (int64_t j = 0; j < D; ++j) {
-      const T normed = static_cast<T>(static_cast<float>(xr[j]) * rstd);  // rounded first, as .to(x.dtype)
-      yr[j] = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
-    }
+void rms_row(const T* x, const T* w, T* y, int64_t D, float eps) {
+  const float rstd = 1.0f / std::sqrt(sum_squares(x, D) / static_cast<float>(D) + eps);
+  int64_t j = 0;
+  for (; j + LANES <= D; j += LANES) put(y + j, vec::load(w + j) * round_to<T>(vec::load(x + j) * rstd));
+  for (; j < D; ++j) {
+    const T normed = static_cast<T>(static_cast<float>(x[j]) * rstd);
+    y[j] = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
   }
 }
 
-// xs = x + d (rounded to T, as ATen's add), then y = rms_rows of xs
+template <typename T>
+void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_row(x + r * D, w, y + r * D, D, eps);
+  });
+}
+
+// xs = T(x + d) (as ATen's add), then y = rms_row of xs, row by row
 template <typename T>
 void add_rms_rows(const T* x, const T* d, const T* w, T* xs, T* y, int64_t rows, int64_t D, float eps) {
-  for (int64_t j = 0; j < rows * D; ++j) xs[j] = static_cast<T>(static_cast<float>(x[j]) + static_cast<float>(d[j]));
-  rms_rows(xs, w, y, rows, D, eps);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *xr = x + r * D, *dr = d + r * D;
+      T* sr = xs + r * D;
+      int64_t j = 0;
+      for (; j + LANES <= D; j += LANES) put(sr + j, vec::load(xr + j) + vec::load(dr + j));
+      for (; j < D; ++j) sr[j] = static_cast<T>(static_cast<float>(xr[j]) + static_cast<float>(dr[j]));
+      rms_row(sr, w, y + r * D, D, eps);
+    }
+  });
+}
+
+// one head of one row: y = T(T(x * c) + T(rotate_half(x) * s)), each product rounded first
+template <typename T>
+void rope_head(const T* x, const T* c, const T* s, T* y, int64_t D) {
+  const int64_t half = D / 2;
+  if (half % LANES == 0) {
+    for (int64_t j = 0; j < D; j += LANES) {
+      const vec::v16 swapped = vec::load(x + (j < half ? j + half : j - half));
+      const vec::v16 a = round_to<T>(vec::load(x + j) * vec::load(c + j));
+      const vec::v16 b = round_to<T>(swapped * vec::load(s + j));
+      put(y + j, a + b);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < D; ++j) {
+    const T swapped = x[j < half ? j + half : j - half];
+    const T a = static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(c[j]));
+    const T b = static_cast<T>(static_cast<float>(swapped) * static_cast<float>(s[j]));
+    y[j] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+  }
 }
 
 // x: rows of (heads, D) at row stride sx (last two dims contiguous); cos/sin: (rows, D)
 template <typename T>
 void rope_rows(const T* x, int64_t sx, const T* cos, const T* sin, T* y, int64_t rows, int64_t heads,
                int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* c = cos + r * D;
-    const T* s = sin + r * D;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* xr = x + r * sx + h * D;
-      T* yr = y + (r * heads + h) * D;
-      for (int64_t j = 0; j < D; ++j) {
-        const T swapped = xr[j < half ? j + half : j - half];
-        const T a = static_cast<T>(static_cast<float>(xr[j]) * static_cast<float>(c[j]));
-        const T b = static_cast<T>(static_cast<float>(swapped) * static_cast<float>(s[j]));
-        yr[j] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
-      }
-    }
-  }
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < heads; ++h) rope_head(x + r * sx + h * D, cos + r * D, sin + r * D, y + (r * heads + h) * D, D);
+  });
 }
 
-// 16 lanes -> T (bf16: round to nearest even on the bits, finite inputs; fp32 as is)
-inline void put(float* out, vec::v16 x) { vec::store(out, x); }
-inline void put(at::BFloat16* out, vec::v16 x) {
-  vec::u16w u;
-  std::memcpy(&u, &x, sizeof u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  const vec::h16 h = __builtin_convertvector(u >> 16, vec::h16);
-  std::memcpy(out, &h, sizeof h);
+// exp(x) for x <= 0 as ``vec::exp_`` (Cephes' polynomial), its steps as fused multiply-adds:
+// half the instructions, each step rounded once (lane-wise, the same bits on any CPU)
+inline vec::v16 exp_fused(vec::v16 x) {
+  using vec::fma;
+  using vec::splat;
+  const vec::v16 t = x * 1.44269504088896341f;
+  const vec::v16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+  vec::v16 r = fma(n, splat(-0.693359375f), x);
+  r = fma(n, splat(2.12194440e-4f), r);
+  vec::v16 y = fma(splat(1.9875691500e-4f), r, splat(1.3981999507e-3f));
+  y = fma(y, r, splat(8.3334519073e-3f));
+  y = fma(y, r, splat(4.1665795894e-2f));
+  y = fma(y, r, splat(1.6666665459e-1f));
+  y = fma(y, r, splat(5.0000001201e-1f));
+  y = fma(y, r * r, r) + 1.0f;
+  const vec::i16 e = (__builtin_convertvector(n, vec::i16) + 127) << 23;
+  vec::v16 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  const vec::v16 out = y * scale;
+  return x < -87.0f ? vec::splat(0.0f) : out;
 }
-
 // silu(a) = a * sigmoid(a), sigmoid from e = exp(-|a|): 1 / (1 + e) for a >= 0, e / (1 + e)
 // below; lane-wise IEEE operations only (the same bits for any vector width)
 inline vec::v16 silu16(vec::v16 a) {
   const vec::v16 neg = a < 0 ? a : -a;  // -|a|
-  const vec::v16 e = vec::exp_(neg);
+  const vec::v16 e = exp_fused(neg);
   const vec::v16 one = vec::splat(1.0f);
-  const vec::v16 sig = (a >= 0 ? one : e) / (one + e);
-  return a * sig;
+  const vec::v16 d = one + e;
+  return a * ((a >= 0 ? one : e) / d);
 }
 
 // gu rows (gate I | up I) -> rows of I: T(T(silu(gate)) * up), the roundings of
 // ``F.silu(g) * u`` in T
 template <typename T>
 void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    T pad[2][vec::LANES];
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    T pad[3][LANES];
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * 2 * I;
       const T* u = g + I;
       T* yr = y + r * I;
-      for (int64_t j = 0; j < I; j += vec::LANES) {
-        const int64_t w = std::min<int64_t>(vec::LANES, I - j);
-        const T *gj = g + j, *uj = u + j;
-        if (w < vec::LANES) {  // the row's last, partial block: padded copies
-          for (int64_t l = 0; l < vec::LANES; ++l) pad[0][l] = l < w ? gj[l] : T(0), pad[1][l] = l < w ? uj[l] : T(0);
-          gj = pad[0], uj = pad[1];
-        }
-        T s[vec::LANES], out[vec::LANES];
-        put(s, silu16(vec::load(gj)));
-        put(out, vec::load(s) * vec::load(uj));
-        std::memcpy(yr + j, out, w * sizeof(T));
+      int64_t j = 0;
+      for (; j + LANES <= I; j += LANES) put(yr + j, round_to<T>(silu16(vec::load(g + j))) * vec::load(u + j));
+      if (j < I) {  // the row's last, partial block: padded copies
+        const int64_t w = I - j;
+        for (int64_t l = 0; l < LANES; ++l) pad[0][l] = l < w ? g[j + l] : T(0), pad[1][l] = l < w ? u[j + l] : T(0);
+        put(pad[2], round_to<T>(silu16(vec::load(pad[0]))) * vec::load(pad[1]));
+        std::memcpy(yr + j, pad[2], w * sizeof(T));
       }
     }
   });
