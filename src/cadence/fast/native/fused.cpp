@@ -31,7 +31,9 @@ namespace {
 constexpr int LANES = vec::LANES;  // partial sums of a row, added in a fixed order
 
 // Rows of at most this many are done on the calling thread: below it a parallel region
-// costs more than it saves (measured: ``benchmarks/kernel_cost.py``'s fused kernels).
+// costs more than it saves. 32-node forwards with all rows on one thread ran about 1.4 ms
+// slower than with this split (ad hoc A/B on the AMX Xeon, session 24; the kernels' own
+// times: ``benchmarks/fused_cost.py``).
 constexpr int64_t kRowGrain = 8;
 
 // x rounded to T, as float lanes: bf16 rounds to nearest even on the bits (NaN -> 0x7FC0,
