@@ -7,19 +7,22 @@
 // other rows or columns. So
 //   scores: S[i][slot] = dot(q_i, k_slot) over head_dim in steps of 32, one tile product per
 //           step, for every slot up to the largest one listed (a dense product: a score is
-//           one (query, key) pair's, wherever the key sits), then times ``scale`` once
-//           (fp32); row i's scores are then gathered in list order;
-//   softmax: fp32, max over the row, exp(s - max) by ``exp5`` (a degree-5 polynomial, about
+//           one (query, key) pair's, wherever the key sits); row i's scores are then
+//           gathered in list order;
+//   softmax: fp32, max over the row's raw scores m, exp(s * scale - m * scale) (the
+//           argument one fused multiply-subtract) by ``exp5`` (a degree-5 polynomial, about
 //           3e-6 relative), the total over 16 lanes in two alternating accumulators then a
 //           fixed lane reduction; each weight rounded to bf16 (as PyTorch's CPU flash
 //           attention does before its P V product);
-//   values: o_i = sum over ranks, in chunks of 32 ranks (0-31, 32-63, ...), one tile product
-//           per chunk and 16 output dims, accumulated in fp32 in chunk order; a chunk's values
-//           are its ranks' keys in list order, the ranks past the row's list padded with
-//           weight 0 and value 0. Chunks every row of a work item has in its contiguous
-//           prefix are computed for 16 rows at once from the cache's values; the rest (the
-//           chunk that reaches into a row's tree ancestors, and later ones) per row, from its
-//           gathered values, continuing the same accumulators;
+//   values: o_i = sum over ranks, in chunks of 32 ranks (0-31, 32-63, ...), accumulated in
+//           fp32 in chunk order; a chunk's values are its ranks' keys in list order. Every
+//           chunk but the last is one tile product per 16 output dims: those every row of a
+//           work item has in its contiguous prefix for 16 rows at once from the cache's
+//           values, the rest (a chunk that reaches into a row's tree ancestors) per row, from
+//           its gathered values, continuing the same accumulators. The row's last chunk (the
+//           one holding its list's last rank, the token itself: never shared) is added rank
+//           by rank with FMAs (``last_chunk``): one token's work instead of a gathered
+//           32-rank tile product per row, which cost a 32-node verify more than its softmax;
 //   output: o_i * (1 / softmax total), rounded to bf16 once.
 // A chunk therefore sees the same inputs in the same order whether it was computed shared or
 // per row, in a tree of 32 nodes or in a one-token forward: the same bits. The arithmetic
@@ -169,7 +172,7 @@ inline void transpose16(const uint32_t* const* rows, uint32_t* out) {
 // degree 5 in r by FMAs, times 2^n (scalef); about 3e-6 relative, then rounded to bf16 anyway.
 // Arguments below -87 are clamped there (the result is then about 1.4 * 2^-126: never a
 // denormal, so bf16 conversions that flush denormals round it as ``round16`` does).
-inline __m512 exp5(__m512 x) {
+inline __m512 exp5(__m512 x, __mmask16 live = 0xFFFF) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -181,7 +184,7 @@ inline __m512 exp5(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
+  return _mm512_maskz_scalef_ps(live, y, n);  // lanes outside ``live``: 0
 }
 
 // One work item: rows [r0, r1) of batch bi against kv head kvh; vector i = (r - r0) * g + h
@@ -211,7 +214,7 @@ struct AmxItem {
       lk = std::max<int64_t>(lk, lists->prefix[rw]);
       for (int64_t j = 0; j < lists->count[rw]; ++j) lk = std::max<int64_t>(lk, lists->extra[rw * lists->E + j] + 1);
       longest = std::max<int64_t>(longest, lists->size(rw));
-      shared = std::min<int64_t>(shared, lists->prefix[rw]);
+      shared = std::min<int64_t>(shared, std::min<int64_t>(lists->prefix[rw], last_start(lists->size(rw))));
     }
     const int64_t lk16 = (lk + 15) / 16 * 16, width = (longest + 31) / 32 * 32, chunks = shared / 32;
     pack_queries(b, m, m16);
@@ -307,13 +310,13 @@ struct AmxItem {
       float* sr = b.sr.data();  // scaled scores in list order from p16 on
       __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
       int64_t j = 0;
-      for (; j + 32 <= p16; j += 32) {
-        m0 = _mm512_max_ps(m0, _mm512_mul_ps(_mm512_loadu_ps(s + j), sc));
-        m1 = _mm512_max_ps(m1, _mm512_mul_ps(_mm512_loadu_ps(s + j + 16), sc));
+      for (; j + 32 <= p16; j += 32) {  // the max of the raw scores (scaling by sc > 0 keeps the order)
+        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
+        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
       }
-      if (j < p16) m0 = _mm512_max_ps(m0, _mm512_mul_ps(_mm512_loadu_ps(s + j), sc));
+      if (j < p16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
       // the rest in list order: the prefix's last partial block, then the listed slots
-      // (gathered), into sr; lanes past the list are -inf
+      // (gathered), into sr (raw); lanes past the list are -inf
       const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       for (int64_t jb = p16; jb < c; jb += 16) {
         const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(jb)), iota);
@@ -325,12 +328,13 @@ struct AmxItem {
                                                            static_cast<intptr_t>(jb - pre) * 4);
         const __m512i idx = _mm512_mask_loadu_epi32(jv, listed, base);
         const __m512 x = _mm512_mask_i32gather_ps(_mm512_set1_ps(-INFINITY), live, idx, s, 4);
-        const __m512 xs = _mm512_mask_mul_ps(x, live, x, sc);
-        _mm512_storeu_ps(sr + jb, xs);
-        m1 = _mm512_max_ps(m1, xs);
+        _mm512_storeu_ps(sr + jb, x);
+        m1 = _mm512_max_ps(m1, x);
       }
-      const float top = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
-      const __m512 t = _mm512_set1_ps(top);
+      // exp(s * scale - top) with top = max * scale, one rounding (a fused multiply-subtract)
+      // whether the score came from the prefix or the list: a rank's bits do not depend on
+      // which part of the list it sits in (a tree's ancestors are the prefix of plain decoding)
+      const __m512 t = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) * scale);
       __m512 z[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
       bf16* p = b.p.data() + i * width;
       const int64_t w16 = (c + 15) / 16 * 16;
@@ -339,8 +343,8 @@ struct AmxItem {
         for (int h = 0; h < 2; ++h) {
           const int64_t at = j0 + 16 * h;
           const __mmask16 live = at + 16 <= c ? 0xFFFF : at >= c ? 0 : static_cast<__mmask16>((1u << (c - at)) - 1);
-          const __m512 x = at < p16 ? _mm512_mul_ps(_mm512_loadu_ps(s + at), sc) : _mm512_loadu_ps(sr + at);
-          e[h] = _mm512_maskz_mov_ps(live, exp5(_mm512_sub_ps(x, t)));
+          const __m512 x = _mm512_loadu_ps(at < p16 ? s + at : sr + at);
+          e[h] = exp5(_mm512_fmsub_ps(x, sc, t), live);
           if (at < w16) z[h] = _mm512_add_ps(z[h], e[h]);
         }
         round32(e[0], e[1], p + j0, j0 + 32 <= w16);
@@ -374,25 +378,25 @@ struct AmxItem {
     }
   }
 
-  // every row's chunks past the shared ones (ranks [start, its list's end)): gather each
-  // row's values into b.tail, then continue its g vectors' accumulators (acc rows r*g..)
-  // with g-row tiles, then every row's output. The tiles are configured for g rows meanwhile.
+  // every row's chunks past the shared ones (ranks [start, its list's end)): the full ones
+  // (a tree whose ancestors reach past a 32-rank boundary) gathered into b.tail and
+  // continued on tiles configured for the row's g vectors, then the last chunk (the one
+  // holding the list's last rank) by FMAs (``last_chunk``), then every row's output.
   void tails(Buf& b, int64_t start, int64_t width) const {
     const int64_t rows = r1 - r0, dts = D / 16;
     b.at.resize(rows + 1);
     b.at[0] = 0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t c = lists->size(row(r * g));
-      b.at[r + 1] = b.at[r] + (c > start ? (c - start + 31) / 32 : 0);
+      b.at[r + 1] = b.at[r] + (last_start(c) - start) / 32;
     }
     b.tail.resize(b.at[rows] * 32 * D);
     int64_t slots[32];
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t rw = row(r * g), c = lists->size(rw);
+      const int64_t rw = row(r * g);
       for (int64_t ch = 0; ch < b.at[r + 1] - b.at[r]; ++ch) {
-        const int64_t real = std::min<int64_t>(32, c - start - ch * 32);
-        for (int64_t j = 0; j < real; ++j) slots[j] = lists->key(rw, start + ch * 32 + j);
-        interleave(V, sv, slots, real, b.tail.data() + (b.at[r] + ch) * 32 * D);
+        for (int64_t j = 0; j < 32; ++j) slots[j] = lists->key(rw, start + ch * 32 + j);
+        interleave(V, sv, slots, 32, b.tail.data() + (b.at[r] + ch) * 32 * D);
       }
     }
     if (b.at[rows] > 0) {
@@ -404,9 +408,44 @@ struct AmxItem {
                    dts, t0, std::min<int64_t>(4, dts - t0), b.acc.data() + r * g * D, D, false);
       configure_tiles();
     }
-    for (int64_t r = 0; r < rows; ++r)
+    for (int64_t r = 0; r < rows; ++r) {
+      last_chunk(b, r, width);
       for (int64_t h = 0; h < g; ++h)
         round_row(b.acc.data() + (r * g + h) * D, O + h * oh + (r0 + r) * orow, D, b.inv[r * g + h]);
+    }
+  }
+
+  // the first rank of the chunk that holds a list's last rank (c >= 1 ranks). Example: c = 201
+  // (200 committed keys and the token itself) -> 192; c = 192 -> 160.
+  static int64_t last_start(int64_t c) { return (c - 1) / 32 * 32; }
+
+  // row r's last chunk (ranks [last_start(c), c)), added to its g vectors' accumulators rank
+  // by rank in rank order, acc = fma(weight, value, acc) per dimension (a bf16 weight times a
+  // bf16 value is exact in fp32: one rounding per rank). The chunk is the same ranks in the
+  // same order in a one-token forward and in any tree (its list ends at the token itself),
+  // and never a shared chunk, so this arithmetic is the chunk's in every forward.
+  void last_chunk(Buf& b, int64_t r, int64_t width) const {
+    const int64_t rw = row(r * g), c = lists->size(rw), l0 = last_start(c), real = c - l0;
+    float w[16][32];  // the g vectors' weights of the chunk, widened
+    for (int64_t h = 0; h < g; ++h) {
+      const bf16* p = b.p.data() + (r * g + h) * width + l0;
+      for (int64_t j = 0; j < real; ++j) {
+        const uint32_t u = static_cast<uint32_t>(p[j]) << 16;
+        std::memcpy(&w[h][j], &u, 4);
+      }
+    }
+    const bf16* vrow[32];
+    for (int64_t j = 0; j < real; ++j) vrow[j] = V + lists->key(rw, l0 + j) * sv;
+    for (int64_t t = 0; t < D / 16; ++t) {
+      __m512 a[16];
+      for (int64_t h = 0; h < g; ++h) a[h] = _mm512_loadu_ps(b.acc.data() + (r * g + h) * D + 16 * t);
+      for (int64_t j = 0; j < real; ++j) {
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[j] + 16 * t))), 16));
+        for (int64_t h = 0; h < g; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][j]), v, a[h]);
+      }
+      for (int64_t h = 0; h < g; ++h) _mm512_storeu_ps(b.acc.data() + (r * g + h) * D + 16 * t, a[h]);
+    }
   }
 
   // acc (the configured rows, row stride ``as`` floats), dim tiles [t0, t0 + nt), nt <= 4 += P

@@ -21,8 +21,11 @@
 #include "fused.h"
 #include "linear.h"
 
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -77,6 +80,27 @@ at::Tensor swiglu(const at::Tensor& gu) {
   return at::silu(parts[0]) * parts[1];
 }
 
+// Wall time per phase of the layer loop, summed over layers and forwards, when switched on
+// (``Layers.phase_times``; ``benchmarks/phase_cost.py``): where a verify forward's extra
+// time over a one-token forward goes. Off, it costs one branch per phase.
+struct PhaseClock {
+  static constexpr int N = 9;
+  static constexpr const char* names[N] = {"qkv", "rope", "attention", "o", "add_norm_1",
+                                           "gate_up", "swiglu", "down", "add_norm_2"};
+  bool on = false;
+  std::array<double, N> total{};
+  std::chrono::steady_clock::time_point last;
+  void start() {
+    if (on) last = std::chrono::steady_clock::now();
+  }
+  void lap(int phase) {  // the time since the last lap (or start) goes to ``phase``
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    total[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
 class Layers {
  public:
   Layers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, bool qk_norm, at::Tensor embed,
@@ -125,7 +149,9 @@ class Layers {
     at::Tensor h = rms(x, layers_.empty() ? final_norm_ : layers_[0].ln1, eps_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
+      clock_.start();
       at::Tensor qkv = L.qkv(h, blocked);
+      clock_.lap(0);
       at::Tensor q, k;
       if (qk_norm_) {
         q = rope(rms(qkv.narrow(-1, 0, H * hd).view({b, n, H, hd}), *L.q_norm, eps_), cos, sin);
@@ -139,15 +165,25 @@ class Layers {
       q = q.transpose(1, 2);
       k = k.transpose(1, 2);
       v = v.transpose(1, 2);
+      clock_.lap(1);
       const at::Tensor att = attend.is_none()
           ? (lists ? listed(i, q, k, v, *k_cache, *v_cache, past, *lists)
                    : attention(i, q, k, v, k_cache, v_cache, past, keys, mask, folded, causal, min_queries))
           : attend(static_cast<int64_t>(i), q, k, v).cast<at::Tensor>();
-      std::tie(x, h) = add_rms(x, L.o(att.transpose(1, 2).reshape({b, n, H * hd}), blocked), L.ln2, eps_);
-      at::Tensor gu = L.gate_up(h, blocked);
+      clock_.lap(2);
+      const at::Tensor o = L.o(att.transpose(1, 2).reshape({b, n, H * hd}), blocked);
+      clock_.lap(3);
+      std::tie(x, h) = add_rms(x, o, L.ln2, eps_);
+      clock_.lap(4);
+      const at::Tensor gu = L.gate_up(h, blocked);
+      clock_.lap(5);
+      const at::Tensor act = swiglu(gu);
+      clock_.lap(6);
+      const at::Tensor down = L.down(act, blocked);
+      clock_.lap(7);
       // the residual add and the next layer's first norm (the final norm after the last)
-      std::tie(x, h) = add_rms(x, L.down(swiglu(gu), blocked), i + 1 < layers_.size() ? layers_[i + 1].ln1 : final_norm_,
-                               eps_);
+      std::tie(x, h) = add_rms(x, down, i + 1 < layers_.size() ? layers_[i + 1].ln1 : final_norm_, eps_);
+      clock_.lap(8);
       for (size_t j = 0; j < taps.size(); ++j) {
         if (tap_out && taps[j] == static_cast<int64_t>(i) + 1) tap_out->select(2, static_cast<int64_t>(j)).copy_(x);
       }
@@ -155,7 +191,18 @@ class Layers {
     return h;
   }
 
+  // on: start summing wall time per phase (from zero); off: stop. Returns the sums so far in
+  // seconds, by phase name (empty before the first switch on).
+  std::vector<std::pair<std::string, double>> phase_times(bool on) {
+    std::vector<std::pair<std::string, double>> out;
+    for (int p = 0; p < PhaseClock::N; ++p) out.emplace_back(PhaseClock::names[p], clock_.total[p]);
+    clock_.total = {};
+    clock_.on = on;
+    return out;
+  }
+
  private:
+  mutable PhaseClock clock_;  // ``phase_times``
   // the store, then attention of each row over its listed keys (``attention.cpp``): lists
   // = (prefix, extra, count) as ``listed_attention`` takes them, over the whole cache buffer
   at::Tensor listed(size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
@@ -205,6 +252,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Layers>(m, "Layers", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, double, bool, at::Tensor, at::Tensor>())
       .def("add_layer", &Layers::add_layer)
+      .def("phase_times", &Layers::phase_times)
       .def("forward", &Layers::forward);
   // module_local: builds for other instruction sets (``native.build_variant``) load beside this one
   pybind11::class_<cadence::DraftBlock>(m, "DraftBlock", pybind11::module_local())
