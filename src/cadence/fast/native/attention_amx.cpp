@@ -345,9 +345,13 @@ struct AmxItem {
         for (int h = 0; h < 2; ++h) {
           const int64_t at = j0 + 16 * h;
           const __mmask16 live = at + 16 <= c ? 0xFFFF : at >= c ? 0 : static_cast<__mmask16>((1u << (c - at)) - 1);
+          if (at >= w16) {  // past the list: nothing to compute
+            e[h] = _mm512_setzero_ps();
+            continue;
+          }
           const __m512 x = _mm512_loadu_ps(at < p16 ? s + at : sr + at);
           e[h] = exp4(_mm512_fmsub_ps(x, sc, t), live);
-          if (at < w16) z[h] = _mm512_add_ps(z[h], e[h]);
+          z[h] = _mm512_add_ps(z[h], e[h]);
         }
         round32(e[0], e[1], p + j0, j0 + 32 <= w16);
       }
