@@ -81,7 +81,7 @@ def main() -> None:
     print(machine_line())
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(),
-                                              "kernel": bb.kernels(), "context": args.context,
+                                              "kernel": bb.kernels, "context": args.context,
                                               "forwards": args.forwards, "ms": res}, indent=1) + "\n")
         print(f"wrote {args.out}")
 
