@@ -442,15 +442,56 @@ struct AmxItem {
     }
     const bf16* vrow[32];
     for (int64_t j = 0; j < real; ++j) vrow[j] = V + lists->key(rw, l0 + j) * sv;
-    for (int64_t t = 0; t < D / 16; ++t) {
-      __m512 a[16];
-      for (int64_t h = 0; h < g; ++h) a[h] = _mm512_loadu_ps(b.acc.data() + (r * g + h) * D + 16 * t);
-      for (int64_t j = 0; j < real; ++j) {
-        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[j] + 16 * t))), 16));
-        for (int64_t h = 0; h < g; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(w[h][j]), v, a[h]);
+    float* acc = b.acc.data() + r * g * D;  // the g vectors' accumulators, D floats each
+    switch (D) {  // accumulators in registers for the common head sizes
+      case 64: return fma_ranks<4>(acc, w, vrow, real);
+      case 128: return fma_ranks<8>(acc, w, vrow, real);
+      default: break;
+    }
+    for (int64_t t = 0; t < D / 16; ++t)
+      for (int64_t h = 0; h < g; ++h) {
+        __m512 a = _mm512_loadu_ps(acc + h * D + 16 * t);
+        for (int64_t j = 0; j < real; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(w[h][j]), load_bf16(vrow[j] + 16 * t), a);
+        _mm512_storeu_ps(acc + h * D + 16 * t, a);
       }
-      for (int64_t h = 0; h < g; ++h) _mm512_storeu_ps(b.acc.data() + (r * g + h) * D + 16 * t, a[h]);
+  }
+
+  static __m512 load_bf16(const bf16* p) {  // 16 bf16 -> fp32 (exact)
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+
+  // ``last_chunk``'s sums with D = 16 * DTS: heads in groups of 16 / DTS whose accumulators
+  // stay in registers, ranks outer (each value row read once per group); every accumulator
+  // lane still takes its FMAs in rank order, as the generic loop does
+  template <int DTS>
+  void fma_ranks(float* acc, const float (*w)[32], const bf16* const* vrow, int64_t real) const {
+    constexpr int HG = 16 / DTS;
+    const int64_t D16 = 16 * DTS;
+    for (int64_t h0 = 0; h0 < g; h0 += HG) {
+      const int64_t hn = std::min<int64_t>(HG, g - h0);
+      __m512 a[HG][DTS];
+#pragma GCC unroll 8
+      for (int h = 0; h < HG; ++h)
+#pragma GCC unroll 8
+        for (int t = 0; t < DTS; ++t) a[h][t] = h < hn ? _mm512_loadu_ps(acc + (h0 + h) * D16 + 16 * t) : _mm512_setzero_ps();
+      for (int64_t j = 0; j < real; ++j) {
+        __m512 v[DTS];
+#pragma GCC unroll 8
+        for (int t = 0; t < DTS; ++t) v[t] = load_bf16(vrow[j] + 16 * t);
+#pragma GCC unroll 8
+        for (int h = 0; h < HG; ++h) {
+          if (h >= hn) break;
+          const __m512 wj = _mm512_set1_ps(w[h0 + h][j]);
+#pragma GCC unroll 8
+          for (int t = 0; t < DTS; ++t) a[h][t] = _mm512_fmadd_ps(wj, v[t], a[h][t]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int h = 0; h < HG; ++h)
+        if (h < hn)
+#pragma GCC unroll 8
+          for (int t = 0; t < DTS; ++t) _mm512_storeu_ps(acc + (h0 + h) * D16 + 16 * t, a[h][t]);
     }
   }
 
