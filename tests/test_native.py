@@ -111,6 +111,30 @@ def test_native_loop_over_quantized_projections_gives_the_python_loops_bits(quan
 
 
 @needs_native
+def test_phase_clock_sums_each_phase_only_while_on_and_changes_no_bits():
+    """``Layers.phase_times`` (``benchmarks/phase_cost.py``): nothing summed while off; while
+    on, every one of the 9 phases gets time and the phases add up to at most the forward's
+    wall time; a forward with the clock on gives the same bits as with it off."""
+    import time
+
+    bb = FastBackbone(_model("llama", torch.bfloat16), byte_tokenizer(), "fast")
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    plain = bb.forward(ids, bb.new_cache()).logits
+    layers = bb._native
+    assert layers not in (None, False)
+    assert all(t == 0.0 for _, t in layers.phase_times(True))  # off until now
+    t = time.perf_counter()
+    timed = bb.forward(ids, bb.new_cache()).logits
+    wall = time.perf_counter() - t
+    phases = dict(layers.phase_times(False))
+    assert list(phases) == ["qkv", "rope", "attention", "o", "add_norm_1", "gate_up", "swiglu", "down", "add_norm_2"]
+    assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= wall
+    bb.forward(ids, bb.new_cache())
+    assert all(t == 0.0 for _, t in layers.phase_times(False))  # off again: nothing summed
+    assert torch.equal(plain, timed)
+
+
+@needs_native
 def test_native_loop_is_used_and_can_be_turned_off(monkeypatch):
     """On by default where it builds; ``CADENCE_NATIVE=0`` keeps the Python loop; a branching
     tree (``PathAttention``) stays in Python either way and keeps working after it."""
