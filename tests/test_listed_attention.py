@@ -56,7 +56,7 @@ def _reference(q, k, v, keys: list[int]) -> torch.Tensor:
 
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128, 192, 256])
 def test_each_row_is_softmax_attention_over_its_listed_keys(dtype, tol, head_dim, path):
     ops = native.module()
     gen = torch.Generator().manual_seed(0)

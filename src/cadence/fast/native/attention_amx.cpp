@@ -296,7 +296,7 @@ struct AmxItem {
       }
   }
 
-  // vector i's scores in list order (scaled) -> softmax weights, rounded to bf16 into b.p
+  // vector i's scores in list order -> softmax weights (of the scaled scores), rounded to bf16 into b.p
   // row i (zero past its list); b.inv[i] = 1 / the fp32 weights' total. The max is exact
   // whatever the order; the total adds 16-lane blocks alternately into two accumulators,
   // then the lanes' fixed reduction.
@@ -310,7 +310,7 @@ struct AmxItem {
       const int64_t p16 = pre / 16 * 16;  // blocks of the prefix read straight from the scores
       const float* s = b.s.data() + i * lk16;
       const int32_t* extra = lists->extra + rw * lists->E;
-      float* sr = b.sr.data();  // scaled scores in list order from p16 on
+      float* sr = b.sr.data();  // raw scores in list order from p16 on
       __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
       int64_t j = 0;
       for (; j + 32 <= p16; j += 32) {  // the max of the raw scores (scaling by sc > 0 keeps the order)
@@ -444,17 +444,15 @@ struct AmxItem {
     const bf16* vrow[32];
     for (int64_t j = 0; j < real; ++j) vrow[j] = V + lists->key(rw, l0 + j) * sv;
     float* acc = b.acc.data() + r * g * D;  // the g vectors' accumulators, D floats each
-    switch (D) {  // accumulators in registers for the common head sizes
+    switch (D) {  // the head sizes with AMX kernels (multiples of 32, ``LISTED_HEAD_DIMS``)
+      case 32: return fma_ranks<2>(acc, w, vrow, real);
       case 64: return fma_ranks<4>(acc, w, vrow, real);
+      case 96: return fma_ranks<6>(acc, w, vrow, real);
       case 128: return fma_ranks<8>(acc, w, vrow, real);
-      default: break;
+      case 192: return fma_ranks<12>(acc, w, vrow, real);
+      case 256: return fma_ranks<16>(acc, w, vrow, real);
+      default: return;  // refused before the parallel region (``amx_listed_attention``)
     }
-    for (int64_t t = 0; t < D / 16; ++t)
-      for (int64_t h = 0; h < g; ++h) {
-        __m512 a = _mm512_loadu_ps(acc + h * D + 16 * t);
-        for (int64_t j = 0; j < real; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(w[h][j]), load_bf16(vrow[j] + 16 * t), a);
-        _mm512_storeu_ps(acc + h * D + 16 * t, a);
-      }
   }
 
   static __m512 load_bf16(const bf16* p) {  // 16 bf16 -> fp32 (exact)
@@ -462,12 +460,12 @@ struct AmxItem {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   }
 
-  // ``last_chunk``'s sums with D = 16 * DTS: heads in groups of 16 / DTS whose accumulators
-  // stay in registers, ranks outer (each value row read once per group); every accumulator
-  // lane still takes its FMAs in rank order, as the generic loop does
+  // ``last_chunk``'s sums with D = 16 * DTS: heads in groups of max(1, 16 / DTS) whose
+  // accumulators stay in registers, ranks outer (each value row read once per group); every
+  // accumulator lane takes its FMAs in rank order
   template <int DTS>
   void fma_ranks(float* acc, const float (*w)[32], const bf16* const* vrow, int64_t real) const {
-    constexpr int HG = 16 / DTS;
+    constexpr int HG = DTS >= 16 ? 1 : 16 / DTS;
     const int64_t D16 = 16 * DTS;
     for (int64_t h0 = 0; h0 < g; h0 += HG) {
       const int64_t hn = std::min<int64_t>(HG, g - h0);
@@ -555,8 +553,9 @@ bool set_amx_listed(bool on) {
 void amx_listed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const vec::Lists& lists,
                           at::Tensor& out, float scale) {
   const int64_t b = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), KV = k.size(1), g = H / KV;
-  TORCH_CHECK(D % 32 == 0 && g <= 16 && q.scalar_type() == at::kBFloat16 && out.stride(3) == 1,
-              "listed_attention (AMX): bf16, head_dim a multiple of 32, at most 16 heads per kv head");
+  TORCH_CHECK((D == 32 || D == 64 || D == 96 || D == 128 || D == 192 || D == 256) && g <= 16 &&
+                  q.scalar_type() == at::kBFloat16 && out.stride(3) == 1,
+              "listed_attention (AMX): bf16, head_dim 32, 64, 96, 128, 192 or 256, at most 16 heads per kv head");
   const int64_t pieces = std::min<int64_t>(n, std::max<int64_t>(1, (2 * at::get_num_threads() + b * KV - 1) / (b * KV)));
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   const bf16* kp = reinterpret_cast<const bf16*>(k.data_ptr<at::BFloat16>());
