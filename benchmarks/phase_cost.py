@@ -6,7 +6,8 @@ context, as ``verify_cost.py`` times them (bf16; the two sizes alternate, warm-u
 "rest" is the forward's time outside the layer loop (embedding, final norm, LM head, Python).
 Phase boundaries read a clock (about 0.1 us each) and nothing else changes.
 
-Usage:  python benchmarks/phase_cost.py [--nodes 32] [--context 200] [--forwards 200] [--out FILE]
+Usage:  python benchmarks/phase_cost.py [--nodes 32] [--context 200] [--forwards 200] [--kernel auto]
+        [--out FILE]
 Prints a markdown table (ms per forward) and writes JSON with ``--out``.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cadence.backbone import load_backbone
+from cadence.fast.model import FastBackbone
 from cadence.machine import machine_info, machine_line
 
 from verify_cost import binary_tree
@@ -65,9 +67,11 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--forwards", type=int, default=200)
+    ap.add_argument("--kernel", default="auto", help="projection kernel (fast.kernels.KINDS)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    bb = load_backbone(args.model, torch.bfloat16, backend="fast")
+    bb = FastBackbone.from_backbone(load_backbone(args.model, torch.bfloat16, backend="transformers"),
+                                    kernel=args.kernel)
     bb.forward(torch.tensor([[1, 2]]), None)  # builds the native loop
     if not bb._native:
         raise SystemExit("the C++ layer loop is not available here (see cadence.fast.native)")
@@ -77,7 +81,7 @@ def main() -> None:
     print(f"| phase (ms per forward, {bb.spec.layers} layers) | 1 node | {args.nodes} nodes | extra |\n|---|---:|---:|---:|")
     for name in one:
         print(f"| {name} | {one[name]:.3f} | {tree[name]:.3f} | {tree[name] - one[name]:+.3f} |")
-    print(f"T({args.nodes})/T(1) = {tree['total'] / one['total']:.3f}")
+    print(f"T({args.nodes})/T(1) = {tree['total'] / one['total']:.3f} ({bb.kernels})")
     print(machine_line())
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(),

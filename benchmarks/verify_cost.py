@@ -14,6 +14,7 @@
 
 Usage:  python benchmarks/verify_cost.py [--model smollm2] [--context 200] [--reps 7]
             [--max-new-tokens 128] [--dtypes float32 bfloat16] [--skip-generate] [--shape chain]
+            [--kernels auto onednn]  (more than one: the fast path with each, interleaved in one run)
 Writes benchmarks/results/verify-cost-<cpu>[-chain].json and prints markdown tables.
 """
 
@@ -31,6 +32,7 @@ import torch
 from cadence.backbone import load_backbone
 from cadence.fast.cpu import describe as cpu_features
 from cadence.fast.cpu import native_bf16
+from cadence.fast.model import FastBackbone
 from cadence.machine import cpu_model, machine_info, machine_line
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -167,6 +169,8 @@ def main():
                     help="default: float32, plus bfloat16 when the CPU has native bf16")
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--shape", choices=["binary", "chain"], default="binary", help="tree shape timed")
+    ap.add_argument("--kernels", nargs="+", default=["auto"],
+                    help="fast-path projection kernels timed side by side (fast.kernels.KINDS), e.g. auto onednn")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
@@ -179,9 +183,12 @@ def main():
     for dt in dtypes:
         hf = load_backbone(args.model, dt, backend="transformers")
         fast = load_backbone(args.model, dt, backend="fast")
+        others = {f"fast-{k}": FastBackbone.from_backbone(load_backbone(args.model, dt, backend="transformers"),
+                                                          kernel=k) for k in args.kernels[1:]}
         entry = {"fast_kernel": fast.kernel, "fast_resident_bytes": fast.resident_bytes(),
-                 "curve": curve({"transformers": hf, "fast": fast}, args.context, args.sizes, args.reps,
+                 "curve": curve({"transformers": hf, "fast": fast, **others}, args.context, args.sizes, args.reps,
                                 binary_tree if args.shape == "binary" else chain)}
+        entry["kernels"] = {"fast": fast.kernels, **{name: bb.kernels for name, bb in others.items()}}
         if not args.skip_generate:
             entry["decode"] = decode_speed(hf, fast, args.max_new_tokens)
         result["by_dtype"][dt] = entry
@@ -195,12 +202,16 @@ def main():
                   f"{b['relative'][str(n)]} | {a['ms'][str(n)] / b['ms'][str(n)]:.2f}x |")
         print(f"\nknee (first n with T(n) > 1.3 T(1)): transformers {c['transformers']['knee_1.3x']}, "
               f"fast {c['fast']['knee_1.3x']}\n")
+        for name in others:
+            print(f"{name} ({entry['kernels'][name]}) against fast ({entry['kernels']['fast']}): "
+                  + ", ".join(f"T({n}) {c[name]['ms'][str(n)]} ms ({c[name]['relative'][str(n)]}) vs "
+                              f"{c['fast']['ms'][str(n)]} ({c['fast']['relative'][str(n)]})" for n in args.sizes) + "\n")
         if "decode" in entry:
             print("| greedy decoding | tokens | tok/s | vs generate | identical to generate |\n|---|---:|---:|---:|---:|")
             for name, d in entry["decode"].items():
                 print(f"| {name} | {d['tokens']} | {d['tok_s']} | {d['vs_generate']}x | {d['identical']} |")
             print()
-        del hf, fast
+        del hf, fast, others
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out_path}")

@@ -85,18 +85,23 @@ def test_attend_pads_queries_and_returns_only_the_real_rows():
 
 
 @needs_onednn
-def test_bf16_tree_and_one_token_forwards_agree_on_the_root():
+@pytest.mark.parametrize("kernel", ["onednn", "amx"])
+def test_bf16_tree_and_one_token_forwards_agree_on_the_root(kernel):
+    from cadence.fast.kernels import ROW_FREE, amx_available
     from cadence.fast.model import FastBackbone
     from cadence.scorer import score
     from cadence.trees import compile_tree, grow_tree, prior_acceptance
     from tiny import tiny_backbone
 
+    if kernel == "amx" and not amx_available():
+        pytest.skip("AMX products need a CPU with AMX and the native extension")
     plain = tiny_backbone("llama", hidden=768, layers=4)  # down projection K = 1536, as SmolLM2's
     plain.model.to(torch.bfloat16)
-    bb = FastBackbone.from_backbone(plain)
+    bb = FastBackbone.from_backbone(plain, kernel=kernel)
+    assert bb.kernel == kernel
     assert bb.consistent == consistent.wanted(bb.kernel, bb.dtype)
     assert bb.chains_only == (bb.consistent and not bb.listed)
-    assert (bb._head in bb._blockable) == bb.consistent
+    assert (bb._head in bb._blockable) == (bb.consistent and kernel not in ROW_FREE)
     gen = torch.Generator().manual_seed(0)
     for past in (10, 70, 130, 200, 260, 330, 390):  # no tree below reaches into the next 64-key block
         cache = bb.new_cache()

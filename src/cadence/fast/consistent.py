@@ -62,9 +62,10 @@ KEY_ROOM = 64  # a forward at context ``past`` attends to key_length(past + KEY_
 
 
 def wanted(kernel: str, dtype: torch.dtype) -> bool:
-    """On for bf16 through oneDNN (CPU). fp32 is left alone: there a 2-row GEMM costs 1.1
-    one-row GEMMs on the EPYC, and the differences are near-ties of about 1e-5."""
-    return kernel.startswith("onednn") and dtype == torch.bfloat16
+    """On for bf16 CPU kernels (oneDNN, AMX: attention still needs it; AMX GEMMs need no
+    padding). fp32 is left alone: there a 2-row GEMM costs 1.1 one-row GEMMs on the EPYC, and
+    the differences are near-ties of about 1e-5."""
+    return (kernel.startswith("onednn") or kernel == "amx") and dtype == torch.bfloat16
 
 
 def key_length(length: int, capacity: int) -> int:

@@ -8,6 +8,13 @@ Knows: three ways to compute ``x @ W.T + b`` and when each applies.
   weights are a copy (oneDNN's layout is opaque), so the dense original is freed or never kept.
 - ``onednn-dense``: the same call on the plain weights (no copy, a bit slower at M > 1).
 - ``aten``: ``F.linear`` (CUDA, or a torch without oneDNN).
+- ``amx``: bf16 on a CPU with AMX, through the native extension's tile kernel
+  (``native/gemm_amx.cpp``) on weights in its layout (``amx_pack``). It streams the weights
+  once with less per-call overhead than oneDNN (AMX Xeon, 2 threads, SmolLM2's qkv/o/
+  gate_up/down at 1 row: 25/16/91/40 us against oneDNN's 42/30/127/58; 32 rows cost both
+  about the same extra, ``benchmarks/gemm_cost.py``), and a row's bits do not depend on the other rows, so
+  row-consistent forwards need no padding or row blocks for it. ``auto`` picks it on bf16
+  AMX CPUs where the extension builds.
 - ``int8``: weight-only int8 (``--quant int8``, lossy against the unquantized model):
   per-output-channel symmetric scales, ``torch.ops.aten._weight_int8pack_mm`` on
   activations in the model's dtype. Half the bytes of bf16 to stream per token; its rows
@@ -29,13 +36,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cadence.fast.cpu import onednn_available
+from cadence.fast.cpu import has_amx, onednn_available
 
-KINDS = ("auto", "onednn", "onednn-dense", "aten", "int8", "int4")
+KINDS = ("auto", "amx", "onednn", "onednn-dense", "aten", "int8", "int4")
 INT4_GROUP = 32  # input weights per scale/minimum pair (llama.cpp's Q4_1 blocks are 32 too)
 # the resolved overload: calling the packet (``torch.ops.mkldnn._linear_pointwise``) picks the
 # overload again on every call, about 4 us each, 121 calls per SmolLM2 forward
 _ONEDNN = torch.ops.mkldnn._linear_pointwise.default if onednn_available() else None
+ROW_FREE = ("amx", "int8", "int4")  # kinds whose rows' bits do not depend on the row count (tested)
 PACK_ROWS = 8  # oneDNN's batch-size hint when prepacking; measured fastest for 1..32 rows
 
 
@@ -45,11 +53,50 @@ def resolve_kind(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     if kind in ("int8", "int4"):
         return kind
     cpu_ok = device.type == "cpu" and onednn_available() and dtype in (torch.float32, torch.bfloat16)
+    amx_ok = device.type == "cpu" and dtype == torch.bfloat16 and amx_available()
+    if kind == "amx" and not amx_ok:
+        raise ValueError("kernel 'amx' needs bf16 weights on a CPU with AMX and the native extension "
+                         f"(this one: device {device.type}, {dtype}, AMX {'yes' if has_amx() else 'no'}, "
+                         f"extension {'on' if _native() is not None else 'off'}); use --kernel auto")
     if kind == "auto":
-        return "onednn" if cpu_ok else "aten"
+        return "amx" if amx_ok else ("onednn" if cpu_ok else "aten")
     if kind.startswith("onednn") and not cpu_ok:
         return "aten"
     return kind
+
+
+def _native():
+    """The native extension (built on first use), or None where it is off or failed to build."""
+    from cadence.fast import native
+
+    return native.module()
+
+
+def amx_available() -> bool:
+    """Whether ``amx`` products run here: a CPU with AMX, the native extension built, the
+    kernel granted tile data and CADENCE_AMX not 0."""
+    if not has_amx():
+        return False
+    mod = _native()
+    return mod is not None and bool(mod.amx_gemm_available())
+
+
+def amx_pack(w: torch.Tensor) -> torch.Tensor:
+    """W (out, in) bf16 -> the AMX kernel's layout (ceil(out / 32), ceil(in / 32), 2, 16, 32),
+    zero-padded: packed[nb, kb, j, r, 2 c + p] = W[32 nb + 16 j + c, 32 kb + 2 r + p]. Example:
+    W (960, 576) -> (30, 18, 2, 16, 32); W[40, 7] lands at nb 1, j 0, c 8, kb 0, r 3, p 1,
+    i.e. packed[1, 0, 0, 3, 17]: a tile row holds one input pair of 16 output columns."""
+    n, k = w.shape
+    nb, kb = -(-n // 32), -(-k // 32)
+    padded = w.new_zeros(nb * 32, kb * 32)
+    padded[:n, :k] = w
+    return padded.view(nb, 2, 16, kb, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(nb, kb, 2, 16, 32)
+
+
+def amx_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``amx_pack``'s inverse: W (n, k)."""
+    nb, kb = packed.shape[:2]
+    return packed.view(nb, kb, 2, 16, 16, 2).permute(0, 2, 4, 1, 3, 5).reshape(nb * 32, kb * 32)[:n, :k].contiguous()
 
 
 class Linear:
@@ -67,6 +114,10 @@ class Linear:
         if kind == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
             self.dense = None
+        elif kind == "amx":
+            self.w = amx_pack(w)
+            self.dense = None
+            self._amx = _native().amx_linear
         elif kind == "int4" and int4_fits(w):
             self.w, self.scale = quantize_int4(w)
             self.dense = None
@@ -81,6 +132,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "aten":
             return F.linear(x, self.w, self.bias)
+        if self.kind == "amx":  # any row count: a row's bits do not depend on the others
+            return self._amx(x, self.w, self.bias, self.out_features)
         rows = x.numel() // self.in_features
         if (self.kind not in ("int8", "int4") and self.min_rows <= rows and x.is_contiguous()
                 and (not self.max_rows or rows <= self.max_rows)):
@@ -118,10 +171,12 @@ class Linear:
             return (self.w.float() * self.scale.float()[:, None]).to(self.scale.dtype)
         if self.kind == "int4":
             return dequantize_int4(self.w, self.scale, self.out_features, self.in_features)
+        if self.kind == "amx":
+            return amx_unpack(self.w, self.out_features, self.in_features)
         return self.w.to_dense()
 
     def nbytes(self) -> int:
-        n = self.w.numel() * self.w.element_size() if self.kind == "int4" else \
+        n = self.w.numel() * self.w.element_size() if self.kind in ("int4", "amx") else \
             self.out_features * self.in_features * torch.empty((), dtype=self.w.dtype).element_size()
         n += 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())

@@ -35,7 +35,7 @@ from cadence.backbone import Backbone, ForwardOut, check_taps
 from cadence.errors import CadenceError
 from cadence.fast import QUANTS, arch, consistent, native, rope
 from cadence.fast.cache import StaticKVCache
-from cadence.fast.kernels import Linear, resolve_kind
+from cadence.fast.kernels import ROW_FREE, Linear, resolve_kind
 from cadence.fast.rows import RowsForward
 
 LISTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)  # head sizes ``listed_attention`` has kernels for
@@ -91,32 +91,32 @@ class FastBackbone(RowsForward, Backbone):
         self.kernel = resolve_kind(kernel, self.device, self.dtype)
         self.quant = check_quant(quant, self.device, self.dtype)
         self.layer_kind = self.quant if self.quant != "none" else self.kernel  # the projections' kernel
-        self.pack_head = pack_head and self.kernel == "onednn"
+        self.pack_head = pack_head and self.kernel in ("onednn", "amx")
         self._layers: list[_Layer] = []
         self._released: list = []  # (module, name, fused Linear, row slice) to rebuild on demand
         self._build()
         self.rope = rope.RopeTable(model.model.rotary_emb, self.max_positions, self.dtype, self.device)
-        head_kind = "onednn" if self.pack_head else ("onednn-dense" if self.kernel.startswith("onednn") else "aten")
-        if self.quant == "int4" and self.kernel == "onednn":
-            head_kind = "onednn"  # packed: the int4 layers release their dense copies anyway
+        head_kind = self.kernel if self.pack_head else ("onednn-dense" if self.kernel != "aten" else "aten")
+        if self.quant == "int4" and self.kernel in ("onednn", "amx"):
+            head_kind = self.kernel  # packed: the int4 layers release their dense copies anyway
         # int4 leaves the LM head unquantized, as 4-bit GGUF files keep the embedding / output at
         # 8 bits or more (the default model's Q4_1 file: token_embd Q8_0): a 4-bit head cost 7
         # points of top-1 agreement with the unquantized model (``benchmarks/quant_quality.py``),
         # and torch's int8 kernel took 3.0 ms against bf16's 1.6 ms for 4 rows on a Zen 5 EPYC
         self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
         self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
-        if self.consistent:  # weight-only int8/int4 rows do not depend on the row count (tested): no padding or blocks
+        if self.consistent:  # weight-only int8/int4 and AMX rows do not depend on the row count (tested): no padding or blocks
             for lin in [self._head] + [getattr(layer, n) for layer in self._layers for n in ("qkv", "o", "gate_up", "down")]:
-                lin.min_rows = 1 if lin.kind in ("int8", "int4") else consistent.MIN_ROWS
+                lin.min_rows = 1 if lin.kind in ROW_FREE else consistent.MIN_ROWS
         # GEMMs whose row bits depend on the row count past MAX_ROWS (bf16 oneDNN on AMX): run in
         # blocks of MAX_ROWS in steady forwards (decode, verify); a prefill runs whole (``_block_rows``)
         self._blockable = [lin for lin in [self._head] + [getattr(layer, n) for layer in self._layers
-                           for n in ("qkv", "o", "gate_up", "down")] if lin.kind not in ("int8", "int4")] \
+                           for n in ("qkv", "o", "gate_up", "down")] if lin.kind not in ROW_FREE] \
             if self.consistent else []
         # a forward of fewer than MIN_QUERIES rows is padded up front when its GEMMs would pad
-        # anyway (bf16 oneDNN: 2 rows cost what 4 do); over int8/int4 projections it runs its
-        # real rows and only attention (and a bf16 head) pad themselves: fewer rows, same bits
-        self.pad_up_front = self.consistent and self.layer_kind not in ("int8", "int4")
+        # anyway (bf16 oneDNN: 2 rows cost what 4 do); over AMX, int8 or int4 projections it
+        # runs its real rows and only attention (and a oneDNN head) pad themselves: fewer rows, same bits
+        self.pad_up_front = self.consistent and self.layer_kind not in ROW_FREE
         self._native = None  # the C++ layer loop (``fast.native``), built at the first forward; False: none
         self._ops = None  # the extension module (fused kernels for the Python loop too), when built
         self._hook = None
@@ -215,8 +215,8 @@ class FastBackbone(RowsForward, Backbone):
         head_shared = self.lm_head.weight.data_ptr() == emb.data_ptr()
         out = {"layers": fused, "embed": emb.numel() * emb.element_size(),
                "lm_head": 0 if head_shared else self._head.nbytes(),
-               "packed_head_copy": self._head.nbytes() if self._head.kind in ("onednn", "int8", "int4") else 0,
-               "dense_layer_copy": 0 if self.layer_kind not in ("onednn", "int8", "int4") or self._released else fused}
+               "packed_head_copy": self._head.nbytes() if self._head.kind in ("onednn", "amx", "int8", "int4") else 0,
+               "dense_layer_copy": 0 if self.layer_kind not in ("onednn", "amx", "int8", "int4") or self._released else fused}
         out["total"] = sum(out.values())
         return out
 

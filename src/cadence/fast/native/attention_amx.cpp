@@ -37,6 +37,8 @@
 
 #include "attention_amx.h"
 
+#include "amx.h"
+
 #include "vec16.h"
 
 #include <ATen/Parallel.h>
@@ -48,11 +50,6 @@
 #include <string>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define CADENCE_AMX 1
-#endif
 
 namespace cadence {
 
@@ -60,20 +57,6 @@ namespace cadence {
 namespace {
 
 using namespace vec;
-
-// Tile data needs the kernel's permission once per process (Linux 5.16+).
-bool permitted() {
-  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return ok;
-}
-
-bool env_allows() {
-  const char* e = std::getenv("CADENCE_AMX");
-  if (e == nullptr) return true;
-  const std::string s(e);
-  return !(s == "0" || s == "false" || s == "off" || s == "no");
-}
 
 // palette 1, every tile 64 bytes a row: tiles 1-3 (B) 16 rows, tiles 0 (A) and 4-7 (C)
 // ``rows`` rows (16 for the shared products; a row's g query heads for its own chunks, whose
@@ -540,13 +523,13 @@ int state = -1;  // -1 undecided, 0 off, 1 on
 }  // namespace
 
 bool amx_listed_on() {
-  if (state < 0) state = env_allows() && permitted() ? 1 : 0;
+  if (state < 0) state = amx_env_allows() && amx_permitted() ? 1 : 0;
   return state == 1;
 }
 
 bool set_amx_listed(bool on) {
   const bool was = amx_listed_on();
-  state = on && permitted() ? 1 : 0;
+  state = on && amx_permitted() ? 1 : 0;
   return was;
 }
 

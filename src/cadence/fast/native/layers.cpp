@@ -19,6 +19,7 @@
 #include "attention_amx.h"
 #include "draft_block.h"
 #include "fused.h"
+#include "gemm_amx.h"
 #include "linear.h"
 
 #include <array>
@@ -266,6 +267,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_listed_attention_amx", &cadence::set_amx_listed, "tests only: AMX path on/off; returns the previous");
   m.def("listed_attention", &cadence::listed_attention,
         "attention of each row over its listed keys, row-consistent (attention.cpp)");
+  m.def("amx_gemm_available", &cadence::amx_gemm_available, "whether amx_linear runs here (gemm_amx.cpp)");
+  m.def("amx_linear", &cadence::amx_linear, "x W^T (+ b) on AMX tiles, W in kernels.amx_pack's layout (gemm_amx.cpp)");
   m.def("argmax_rows", &cadence::argmax_rows, "x.argmax(-1) of CPU rows, one vector pass (fused.cpp)");
   m.def("silu_mul", &cadence::silu_mul, "silu(gate) * up of [gate | up] rows, one pass (fused.cpp)");
   m.def("rope", &cadence::rope, "x * cos + rotate_half(x) * sin, one pass per row (fused.cpp)");

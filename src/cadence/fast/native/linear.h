@@ -1,4 +1,4 @@
-// ``kernels.Linear`` in C++: the projections' kinds (aten, oneDNN, int8, int4) with its row
+// ``kernels.Linear`` in C++: the projections' kinds (aten, oneDNN, int8, int4, AMX) with its row
 // padding and blocking, for the C++ loops (``layers.cpp``, ``draft_block.cpp``). Same calls,
 // same arguments as the Python class: same bits.
 #pragma once
@@ -7,13 +7,15 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "gemm_amx.h"
+
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace cadence {
 
-enum Kind : int64_t { ATEN = 0, ONEDNN = 1, INT8 = 2, INT4 = 3 };
+enum Kind : int64_t { ATEN = 0, ONEDNN = 1, INT8 = 2, INT4 = 3, AMX = 4 };
 
 inline const c10::OperatorHandle& onednn_linear() {
   static const c10::OperatorHandle op =
@@ -48,6 +50,7 @@ struct Lin {
       x2 = at::cat({x2, x2.narrow(0, m - 1, 1).expand({min_rows - m, -1})});
     }
     at::Tensor y;
+    if (kind == AMX) return amx_linear(x2, w, bias, out);
     if (kind == INT8 || kind == INT4) {
       y = kind == INT8 ? at::_weight_int8pack_mm(x2.contiguous(), w, scale)
                        : at::_weight_int4pack_mm_for_cpu(x2.contiguous(), w, group, scale);
@@ -61,6 +64,7 @@ struct Lin {
   // ``Linear.__call__``; ``blocked``: honour max_rows (``FastBackbone._block_rows``)
   at::Tensor operator()(const at::Tensor& x, bool blocked) const {
     if (kind == ATEN) return at::linear(x, w, bias);
+    if (kind == AMX) return amx_linear(x, w, bias, out);  // any row count, rows independent: no padding or blocks
     const int64_t cap = blocked ? max_rows : 0;
     const int64_t n = x.numel() / in;
     if (kind == ONEDNN && min_rows <= n && x.is_contiguous() && (!cap || n <= cap)) {

@@ -1,0 +1,182 @@
+// y = x W^T (+ b) for bf16 activations of a few rows on AMX tiles, the weights streamed once.
+//
+// Why not oneDNN: on the AMX Xeon (2 threads, SmolLM2's projections, weights cycled through
+// 30 copies as a forward meets them; ``benchmarks/gemm_cost.py``, session 26) oneDNN's
+// prepacked bf16 product cost 42/30/127/58 us for 1 row of qkv/o/gate_up/down and 1.45 ms
+// for the LM head; this kernel 25/16/91/40 us and 1.19 ms. At 32 rows both pay about the
+// same extra (the tile arithmetic is not hidden behind the weight stream in either: 42 us
+// for gate_up here, 38 for oneDNN). And its rows do not depend on the row count (below), so
+// a one-token forward and a tree of any size give a token the same bits without padding or
+// row blocks (``fast.consistent``).
+//
+// Layout (``kernels.amx_pack``): W (N, K) in blocks of 32 output columns by 32 inputs, each
+// block two 1 KiB B tiles (columns 0-15, 16-31 of the block), a tile row r holding input
+// pair (2r, 2r + 1) for its 16 columns: packed[nb][kb][j][r][2c + p] = W[32 nb + 16 j + c]
+// [32 kb + 2 r + p] (zero past N or K). Blocks in nb-major order, so a thread's share of the
+// columns is one contiguous stream.
+//
+// Per 32 columns (nb) and 32 rows (a row block): C (4 fp32 tiles, 16 rows x 16 columns
+// each) = 0; for kb in 0..K/32: load A0 (rows 0-15, inputs 32 kb..32 kb+31) and A1 (rows
+// 16-31, when there are any), B0 and B1, four tile products; store C, add the bias in fp32,
+// round to bf16 (nearest even). Row i of C depends on row i of x and on the columns alone,
+// by the same operations in the same kb order whatever the other rows are (a tile product
+// computes each output row from its own A row), so the bits of a row are those of a
+// one-row call. Tiles: 0-1 A, 2-3 B, 4-7 C.
+//
+// Threads split the column blocks (each a contiguous range); a call with more than 32 rows
+// runs its row blocks inside each column block, rereading that block's weights from cache.
+//
+// Knows: tile configuration, the packed layout, bf16 rounding. Does not know which weights
+// these are; ``kernels.Linear`` packs them and chooses this kernel (kind ``amx``).
+
+#include "gemm_amx.h"
+
+#include "amx.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+namespace cadence {
+
+#ifdef CADENCE_AMX
+namespace {
+
+typedef uint16_t bf16;  // raw bits
+
+// palette 1, 64-byte tile rows; A tiles 0-1 and C tiles 4-7 have r0 / r1 rows (rows 0-15 and
+// 16-31 of the row block; r1 = 0 configures 1 row, unused), B tiles 2-3 16
+void configure(int r0, int r1) {
+  struct alignas(64) Config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  const uint8_t lo = static_cast<uint8_t>(r0), hi = static_cast<uint8_t>(std::max(r1, 1));
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[4] = cfg.rows[5] = lo;
+  cfg.rows[1] = cfg.rows[6] = cfg.rows[7] = hi;
+  cfg.rows[2] = cfg.rows[3] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+struct Problem {
+  const bf16* x;     // (m, kp) rows, kp = 32 * KB
+  const bf16* w;     // packed (NB, KB, 2, 16, 32)
+  const float* bias; // (N) fp32 or null
+  bf16* y;           // (m, n)
+  int64_t m, n, kp, KB;
+};
+
+// C tiles of one (column block, row block) -> bf16 rows of y, bias added in fp32
+void store_block(const Problem& p, const float* c, int64_t nb, int64_t m0, int64_t rows) {
+  const int64_t n0 = nb * 32, cols = std::min<int64_t>(32, p.n - n0);
+  const __mmask32 keep = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (p.bias != nullptr) {
+    b0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep), p.bias + n0);
+    b1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> 16), p.bias + n0 + 16);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), b0);
+    const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1);
+    _mm512_mask_storeu_epi16(p.y + (m0 + r) * p.n + n0, keep, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+}
+
+// column blocks [b0, b1) for every row
+void run_blocks(const Problem& p, int64_t b0, int64_t b1) {
+  alignas(64) float c[32 * 32];
+  int cur0 = -1, cur1 = -1;
+  const int64_t stride = p.kp * 2;  // bytes per row of x
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    for (int64_t m0 = 0; m0 < p.m; m0 += 32) {
+      const int r0 = static_cast<int>(std::min<int64_t>(16, p.m - m0));
+      const int r1 = static_cast<int>(std::clamp<int64_t>(p.m - m0 - 16, 0, 16));
+      if (r0 != cur0 || r1 != cur1) configure(r0, r1), cur0 = r0, cur1 = r1;
+      const bf16* a = p.x + m0 * p.kp;
+      const bf16* w = p.w + nb * p.KB * 1024;
+      _tile_zero(4);
+      _tile_zero(5);
+      if (r1 > 0) {
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t kb = 0; kb < p.KB; ++kb, w += 1024) {
+          _tile_loadd(0, a + kb * 32, stride);
+          _tile_loadd(2, w, 64);
+          _tile_loadd(3, w + 512, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_dpbf16ps(5, 0, 3);
+          _tile_loadd(1, a + 16 * p.kp + kb * 32, stride);
+          _tile_dpbf16ps(6, 1, 2);
+          _tile_dpbf16ps(7, 1, 3);
+        }
+        _tile_stored(6, c + 16 * 32, 128);
+        _tile_stored(7, c + 16 * 32 + 16, 128);
+      } else {
+        for (int64_t kb = 0; kb < p.KB; ++kb, w += 1024) {
+          _tile_loadd(0, a + kb * 32, stride);
+          _tile_loadd(2, w, 64);
+          _tile_loadd(3, w + 512, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_dpbf16ps(5, 0, 3);
+        }
+      }
+      _tile_stored(4, c, 128);
+      _tile_stored(5, c + 16, 128);
+      store_block(p, c, nb, m0, r0 + r1);
+    }
+  }
+  _tile_release();
+}
+
+int state = -1;  // -1 undecided, 0 off, 1 on
+
+}  // namespace
+
+bool amx_gemm_available() {
+  if (state < 0) state = amx_env_allows() && amx_permitted() ? 1 : 0;
+  return state == 1;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t out) {
+  TORCH_CHECK(amx_gemm_available(), "amx_linear: AMX unavailable in this process");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "amx_linear: bf16 CPU input expected");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "amx_linear: weights not in kernels.amx_pack's layout");
+  const int64_t K = x.size(-1), NB = packed.size(0), KB = packed.size(1);
+  TORCH_CHECK(K > 32 * (KB - 1) && K <= 32 * KB, "amx_linear: input size ", K, " does not match the weights' ", 32 * KB);
+  TORCH_CHECK(out > 32 * (NB - 1) && out <= 32 * NB, "amx_linear: output size ", out, " does not match the weights");
+  auto lead = x.sizes().vec();
+  lead.back() = out;
+  at::Tensor x2 = x.reshape({-1, K});
+  if (K != 32 * KB) x2 = at::constant_pad_nd(x2, {0, 32 * KB - K});  // zero inputs meet zero weights
+  x2 = x2.contiguous();
+  const int64_t m = x2.size(0);
+  at::Tensor y = at::empty({m, out}, x.options());
+  if (m == 0) return y.view(lead);
+  at::Tensor b32;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == out, "amx_linear: bias of ", bias->numel(), " for ", out, " outputs");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const Problem p{reinterpret_cast<const bf16*>(x2.data_ptr()), reinterpret_cast<const bf16*>(packed.data_ptr()),
+                  bias ? b32.data_ptr<float>() : nullptr, reinterpret_cast<bf16*>(y.data_ptr()), m, out, 32 * KB, KB};
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, NB, (NB + threads - 1) / threads, [&](int64_t b0, int64_t b1) { run_blocks(p, b0, b1); });
+  return y.view(lead);
+}
+
+#else
+
+bool amx_gemm_available() { return false; }
+at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "amx_linear: built without AMX");
+}
+
+#endif
+
+}  // namespace cadence

@@ -1,0 +1,70 @@
+"""The AMX tile product (``fast/native/gemm_amx.cpp``, kernel kind ``amx``): its layout, its
+numbers against an fp32 product, and rows whose bits do not depend on the other rows."""
+
+import pytest
+import torch
+
+from cadence.fast import kernels
+from cadence.fast.kernels import Linear, amx_pack, amx_unpack
+
+needs_amx = pytest.mark.skipif(not kernels.amx_available(), reason="needs a CPU with AMX and the native extension")
+
+
+def test_pack_puts_each_weight_where_the_docstring_says_and_unpacks_exactly():
+    w = torch.arange(960 * 576, dtype=torch.float32).view(960, 576).to(torch.bfloat16)
+    p = amx_pack(w)
+    assert p.shape == (30, 18, 2, 16, 32)
+    assert p[1, 0, 0, 3, 17] == w[40, 7]  # the docstring's example
+    for n, k in [(0, 0), (959, 575), (517, 300), (47, 33)]:
+        nb, j, c = n // 32, n % 32 // 16, n % 16
+        kb, r, q = k // 32, k % 32 // 2, k % 2
+        assert p[nb, kb, j, r, 2 * c + q] == w[n, k]
+    odd = torch.randn(100, 70).to(torch.bfloat16)  # padded to (128, 96) with zeros
+    po = amx_pack(odd)
+    assert po.shape == (4, 3, 2, 16, 32)
+    assert torch.equal(po[po != 0].sort().values, odd[odd != 0].sort().values)  # the rest is zeros
+    assert torch.equal(amx_unpack(po, 100, 70), odd)
+
+
+def test_an_explicit_amx_kernel_where_it_cannot_run_is_a_clear_error():
+    with pytest.raises(ValueError, match="kernel 'amx' needs bf16"):
+        kernels.resolve_kind("amx", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="unknown kernel kind"):
+        kernels.resolve_kind("tiles", torch.device("cpu"), torch.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize("out_in_bias", [(960, 576, False), (100, 70, True), (576, 1536, True), (33, 32, False)])
+def test_amx_products_match_fp32_and_rows_do_not_depend_on_the_others(out_in_bias):
+    n, k, with_bias = out_in_bias
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    lin = Linear(w, b, "amx")
+    assert torch.equal(lin.to_dense(), w)
+    x = torch.randn(70, k, generator=gen).to(torch.bfloat16)
+    y = lin(x)
+    ref = x.float() @ w.float().T + (b.float() if with_bias else 0)
+    # bf16 output: within one rounding (2^-8 relative) of the fp32 product plus fp32 sums' error
+    assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-3).all()
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(16, 48), slice(31, 33), slice(0, 70)):
+        assert torch.equal(lin(x[rows]), y[rows]), rows
+    assert torch.equal(lin(x.view(2, 35, k)), y.view(2, 35, n))  # leading dimensions kept
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_amx_linear_refuses_a_mismatched_input_or_layout():
+    lin = Linear(torch.randn(64, 64).to(torch.bfloat16), None, "amx")
+    with pytest.raises(RuntimeError, match="input size 96"):
+        lin(torch.randn(2, 96).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16 CPU input"):
+        lin(torch.randn(2, 64))
+    with pytest.raises(RuntimeError, match="layout"):
+        lin._amx(torch.randn(2, 64).to(torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16), None, 64)
+    assert lin(torch.randn(0, 64).to(torch.bfloat16)).shape == (0, 64)
