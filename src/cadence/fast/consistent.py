@@ -9,7 +9,9 @@ a bf16 verify over 8 nodes costs only 1.04 one-token forwards. Three kernels tak
 different path for small or ragged shapes (``benchmarks/consistency.py`` finds them):
 
 1. oneDNN GEMMs at M = 1 row against M >= 2 (the down projection, K = 1536), and on an
-   AMX Xeon at M <= 32 against M >= 33 (rows scattered through the call);
+   AMX Xeon at M <= 32 against M >= 33 (rows scattered through the call); the tile GEMM
+   that replaces oneDNN on AMX CPUs (``native/gemm_amx.cpp``, kind ``amx``) and the
+   int8/int4 kernels compute each row alone, so their projections are never padded or blocked;
 2. PyTorch's CPU attention with fewer than 4 query rows against 4 or more;
 3. attention over a key count that is not a multiple of the kernel's key block (the
    last, partial block is reduced another way).
