@@ -68,3 +68,34 @@ def test_amx_linear_refuses_a_mismatched_input_or_layout():
     with pytest.raises(RuntimeError, match="layout"):
         lin._amx(torch.randn(2, 64).to(torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16), None, 64)
     assert lin(torch.randn(0, 64).to(torch.bfloat16)).shape == (0, 64)
+
+
+def test_swiglu_rows_interleave_gate_and_up_by_16_and_back():
+    i = 32
+    w = torch.arange(2 * i, dtype=torch.float32)[:, None].expand(2 * i, 3)
+    inter = kernels.swiglu_rows(w)
+    assert inter[:, 0].tolist() == list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+    assert torch.equal(kernels.swiglu_rows(inter, inverse=True), w)
+    b = torch.arange(2 * i, dtype=torch.float32)
+    assert torch.equal(kernels.swiglu_rows(kernels.swiglu_rows(b), inverse=True), b)
+
+
+@needs_amx
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_swiglu_epilogue_has_the_bits_of_the_plain_product_then_silu_mul(with_bias):
+    from cadence.fast import native
+
+    ops = native.module()
+    gen = torch.Generator().manual_seed(7)
+    inter, k = 96, 160  # 6 blocks of 16 outputs, K padded to 192
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.1).to(torch.bfloat16)
+    b = torch.randn(2 * inter, generator=gen).to(torch.bfloat16) if with_bias else None
+    fused, plain = Linear(w, b, "amx", swiglu=True), Linear(w, b, "amx")
+    assert fused.swiglu and not plain.swiglu
+    assert torch.equal(fused.to_dense(), w)
+    x = (torch.randn(40, k, generator=gen) * 2).to(torch.bfloat16)
+    y = fused(x)
+    assert y.shape == (40, inter)
+    assert torch.equal(y, ops.silu_mul(plain(x)))
+    assert torch.equal(fused(x[7:8]), y[7:8])  # a row alone: the same bits
+    assert not Linear(torch.randn(2 * 24, 64).to(torch.bfloat16), None, "amx", swiglu=True).swiglu  # I % 16 != 0

@@ -93,6 +93,19 @@ def amx_pack(w: torch.Tensor) -> torch.Tensor:
     return padded.view(nb, 2, 16, kb, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(nb, kb, 2, 16, 32)
 
 
+def swiglu_rows(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """[gate; up] (2 I, ...) with their rows interleaved by 16, so that each block of 32
+    output columns the AMX kernel computes holds gate and up of the same 16 outputs (its
+    SwiGLU epilogue). Example, I = 32: rows gate 0-15, up 0-15, gate 16-31, up 16-31.
+    ``inverse`` undoes it. Works on weights (2 I, K) and biases (2 I,)."""
+    i = w.shape[0] // 2
+    if inverse:
+        blocks = w.reshape(i // 16, 2, 16, *w.shape[1:])
+        return torch.cat([blocks[:, 0].reshape(i, *w.shape[1:]), blocks[:, 1].reshape(i, *w.shape[1:])])
+    gate, up = w[:i].reshape(i // 16, 16, *w.shape[1:]), w[i:].reshape(i // 16, 16, *w.shape[1:])
+    return torch.stack([gate, up], dim=1).reshape(w.shape).contiguous()
+
+
 def amx_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """``amx_pack``'s inverse: W (n, k)."""
     nb, kb = packed.shape[:2]
@@ -101,10 +114,14 @@ def amx_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 class Linear:
     """``y = x @ W.T + b`` for x of shape (..., in); W (out, in) is taken over, not copied
-    unless the kind packs it. ``dense`` is W for kinds that keep it (else None)."""
+    unless the kind packs it. ``dense`` is W for kinds that keep it (else None).
+    ``swiglu`` (W = [gate; up], 2 I rows): where the kind can (``amx``, I a multiple of 16)
+    the call returns silu(gate) * up (..., I) from the product's epilogue and ``self.swiglu``
+    is True; elsewhere it is False and the caller applies the gate."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, swiglu: bool = False):
         self.kind = kind
+        self.swiglu = swiglu and kind == "amx" and weight.shape[0] % 32 == 0
         self.min_rows = 1  # inputs with fewer rows are padded (``consistent``: same bits at any M)
         self.max_rows = 0  # 0: any; else more rows run in blocks of at most this many (``consistent``)
         self.out_features, self.in_features = weight.shape
@@ -115,7 +132,9 @@ class Linear:
             self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
             self.dense = None
         elif kind == "amx":
-            self.w = amx_pack(w)
+            self.w = amx_pack(swiglu_rows(w) if self.swiglu else w)
+            if self.swiglu and self.bias is not None:
+                self.bias = swiglu_rows(self.bias)
             self.dense = None
             self._amx = _native().amx_linear
         elif kind == "int4" and int4_fits(w):
@@ -133,7 +152,7 @@ class Linear:
         if self.kind == "aten":
             return F.linear(x, self.w, self.bias)
         if self.kind == "amx":  # any row count: a row's bits do not depend on the others
-            return self._amx(x, self.w, self.bias, self.out_features)
+            return self._amx(x, self.w, self.bias, self.out_features, self.swiglu)
         rows = x.numel() // self.in_features
         if (self.kind not in ("int8", "int4") and self.min_rows <= rows and x.is_contiguous()
                 and (not self.max_rows or rows <= self.max_rows)):
@@ -172,7 +191,8 @@ class Linear:
         if self.kind == "int4":
             return dequantize_int4(self.w, self.scale, self.out_features, self.in_features)
         if self.kind == "amx":
-            return amx_unpack(self.w, self.out_features, self.in_features)
+            w = amx_unpack(self.w, self.out_features, self.in_features)
+            return swiglu_rows(w, inverse=True) if self.swiglu else w
         return self.w.to_dense()
 
     def nbytes(self) -> int:

@@ -143,9 +143,9 @@ class FastBackbone(RowsForward, Backbone):
 
     # -- weights -------------------------------------------------------------------------
     @torch.no_grad()
-    def _fuse(self, modules: list) -> Linear:
+    def _fuse(self, modules: list, swiglu: bool = False) -> Linear:
         weight = torch.cat([m.weight.detach() for m in modules], dim=0)
-        fused = Linear(weight, _bias(*modules), self.layer_kind)
+        fused = Linear(weight, _bias(*modules), self.layer_kind, swiglu=swiglu)
         start = 0
         for m in modules:
             rows = slice(start, start + m.out_features)
@@ -186,7 +186,7 @@ class FastBackbone(RowsForward, Backbone):
             layer.ln2 = block.post_attention_layernorm.weight.detach()
             layer.qkv = self._fuse([at.q_proj, at.k_proj, at.v_proj])
             layer.o = self._own(at.o_proj)
-            layer.gate_up = self._fuse([mlp.gate_proj, mlp.up_proj])
+            layer.gate_up = self._fuse([mlp.gate_proj, mlp.up_proj], swiglu=True)  # the gate in its epilogue where it can
             layer.down = self._own(mlp.down_proj)
             layer.q_norm = at.q_norm.weight.detach() if self.spec.qk_norm else None
             layer.k_norm = at.k_norm.weight.detach() if self.spec.qk_norm else None
@@ -543,7 +543,8 @@ class FastBackbone(RowsForward, Backbone):
             x, h = self._add_norm(x, layer.o(att.transpose(1, 2).reshape(b, n, H * hd)), layer.ln2)
             gu = layer.gate_up(h)
             nxt = self._layers[i + 1].ln1 if i + 1 < len(self._layers) else self.final_norm
-            x, h = self._add_norm(x, layer.down(self._swiglu(gu)), nxt)  # and the next layer's first norm
+            act = gu if layer.gate_up.swiglu else self._swiglu(gu)  # swiglu: the gate ran in the product's epilogue
+            x, h = self._add_norm(x, layer.down(act), nxt)  # and the next layer's first norm
             for j, layer_no in enumerate(taps):
                 if layer_no == i + 1:
                     tap_out[:, :, j] = x

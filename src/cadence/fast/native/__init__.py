@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "linear.h", "fused.cpp", "fused.h", "attention.cpp", "attention.h",
-                                                    "attention_amx.cpp", "attention_amx.h", "vec16.h", "amx.h",
+                                                    "attention_amx.cpp", "attention_amx.h", "vec16.h", "amx.h", "fused_math.h",
                                                     "gemm_amx.cpp", "gemm_amx.h",
                                                     "draft_block.cpp", "draft_block.h")]
 _CFLAGS = ["-O3", "-ffp-contract=off", "-march=native", "-fopenmp"]  # no fused multiply-adds: vector and scalar code agree
@@ -109,7 +109,7 @@ def _cpu_identity() -> str:
     return model + " " + " ".join(sorted(cpu_flags()))
 
 
-KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3, "amx": 4}
+KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3, "amx": 4, "amx-swiglu": 5}
 
 
 def linear_ints(lin, max_rows: int = 0) -> list[int]:
@@ -117,7 +117,8 @@ def linear_ints(lin, max_rows: int = 0) -> list[int]:
     out, min_rows, max_rows, group)."""
     from cadence.fast.kernels import INT4_GROUP
 
-    return [KIND[lin.kind], lin.in_features, lin.out_features, lin.min_rows, max_rows, INT4_GROUP]
+    kind = KIND["amx-swiglu"] if getattr(lin, "swiglu", False) else KIND[lin.kind]
+    return [kind, lin.in_features, lin.out_features, lin.min_rows, max_rows, INT4_GROUP]
 
 
 def build_layers(mod, bb):

@@ -23,6 +23,11 @@
 // computes each output row from its own A row), so the bits of a row are those of a
 // one-row call. Tiles: 0-1 A, 2-3 B, 4-7 C.
 //
+// With ``swiglu`` the weights are [gate; up] with their rows interleaved by 16
+// (``kernels.swiglu_rows``), so a column block holds gate and up of the same 16 outputs, and
+// the epilogue writes silu(gate) * up with ``silu_mul``'s roundings: the same bits as the
+// plain product followed by ``silu_mul``, without the gate/up rows going to memory and back.
+//
 // Threads split the column blocks (each a contiguous range); a call with more than 32 rows
 // runs its row blocks inside each column block, rereading that block's weights from cache.
 //
@@ -32,6 +37,7 @@
 #include "gemm_amx.h"
 
 #include "amx.h"
+#include "fused_math.h"
 
 #include <ATen/Parallel.h>
 
@@ -65,9 +71,28 @@ struct Problem {
   const bf16* x;     // (m, kp) rows, kp = 32 * KB
   const bf16* w;     // packed (NB, KB, 2, 16, 32)
   const float* bias; // (N) fp32 or null
-  bf16* y;           // (m, n)
+  bf16* y;           // (m, n), or (m, n / 2) with swiglu
   int64_t m, n, kp, KB;
+  bool swiglu;       // columns 32 j..32 j+15 are gate j*16.., 32 j+16.. up: y = silu(gate) * up
 };
+
+// bf16 lanes widened back to fp32, rounded as the plain store rounds them
+inline vec::v16 as_stored(__m512 v) {
+  return reinterpret_cast<vec::v16>(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+}
+
+// the SwiGLU epilogue: gate and up as the plain product would store them (bf16), then
+// ``silu_mul``'s arithmetic (fused.cpp): bf16(bf16(silu(gate)) * up), 16 outputs a row
+void store_swiglu(const Problem& p, const float* c, int64_t nb, int64_t m0, int64_t rows, __m512 bg, __m512 bu) {
+  using namespace fm;
+  const int64_t width = p.n / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const vec::v16 g = as_stored(_mm512_add_ps(_mm512_load_ps(c + r * 32), bg));
+    const vec::v16 u = as_stored(_mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bu));
+    put(reinterpret_cast<at::BFloat16*>(p.y + (m0 + r) * width + nb * 16), round_to<at::BFloat16>(silu16(g)) * u);
+  }
+}
 
 // C tiles of one (column block, row block) -> bf16 rows of y, bias added in fp32
 void store_block(const Problem& p, const float* c, int64_t nb, int64_t m0, int64_t rows) {
@@ -78,6 +103,7 @@ void store_block(const Problem& p, const float* c, int64_t nb, int64_t m0, int64
     b0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep), p.bias + n0);
     b1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>(keep >> 16), p.bias + n0 + 16);
   }
+  if (p.swiglu) return store_swiglu(p, c, nb, m0, rows, b0, b1);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), b0);
     const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1);
@@ -152,7 +178,7 @@ bool amx_gemm_available() {
 }
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                      int64_t out) {
+                      int64_t out, bool swiglu) {
   TORCH_CHECK(amx_gemm_available(), "amx_linear: AMX unavailable in this process");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "amx_linear: bf16 CPU input expected");
   TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32 &&
@@ -161,13 +187,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   const int64_t K = x.size(-1), NB = packed.size(0), KB = packed.size(1);
   TORCH_CHECK(K > 32 * (KB - 1) && K <= 32 * KB, "amx_linear: input size ", K, " does not match the weights' ", 32 * KB);
   TORCH_CHECK(out > 32 * (NB - 1) && out <= 32 * NB, "amx_linear: output size ", out, " does not match the weights");
+  TORCH_CHECK(!swiglu || out % 32 == 0, "amx_linear: a SwiGLU product needs 2 x a multiple of 16 outputs, not ", out);
   auto lead = x.sizes().vec();
-  lead.back() = out;
+  lead.back() = swiglu ? out / 2 : out;
   at::Tensor x2 = x.reshape({-1, K});
   if (K != 32 * KB) x2 = at::constant_pad_nd(x2, {0, 32 * KB - K});  // zero inputs meet zero weights
   x2 = x2.contiguous();
   const int64_t m = x2.size(0);
-  at::Tensor y = at::empty({m, out}, x.options());
+  at::Tensor y = at::empty({m, swiglu ? out / 2 : out}, x.options());
   if (m == 0) return y.view(lead);
   at::Tensor b32;
   if (bias) {
@@ -175,7 +202,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
     b32 = bias->to(at::kFloat).contiguous();
   }
   const Problem p{reinterpret_cast<const bf16*>(x2.data_ptr()), reinterpret_cast<const bf16*>(packed.data_ptr()),
-                  bias ? b32.data_ptr<float>() : nullptr, reinterpret_cast<bf16*>(y.data_ptr()), m, out, 32 * KB, KB};
+                  bias ? b32.data_ptr<float>() : nullptr, reinterpret_cast<bf16*>(y.data_ptr()), m, out, 32 * KB, KB, swiglu};
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, NB, (NB + threads - 1) / threads, [&](int64_t b0, int64_t b1) { run_blocks(p, b0, b1); });
   return y.view(lead);
@@ -184,7 +211,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 #else
 
 bool amx_gemm_available() { return false; }
-at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {
+at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool) {
   TORCH_CHECK(false, "amx_linear: built without AMX");
 }
 

@@ -176,9 +176,9 @@ class Layers {
       clock_.lap(3);
       std::tie(x, h) = add_rms(x, o, L.ln2, eps_);
       clock_.lap(4);
-      const at::Tensor gu = L.gate_up(h, blocked);
+      const at::Tensor gu = L.gate_up(h, blocked);  // AMX_SWIGLU: already silu(gate) * up
       clock_.lap(5);
-      const at::Tensor act = swiglu(gu);
+      const at::Tensor act = L.gate_up.kind == cadence::AMX_SWIGLU ? gu : swiglu(gu);
       clock_.lap(6);
       const at::Tensor down = L.down(act, blocked);
       clock_.lap(7);
@@ -268,7 +268,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("listed_attention", &cadence::listed_attention,
         "attention of each row over its listed keys, row-consistent (attention.cpp)");
   m.def("amx_gemm_available", &cadence::amx_gemm_available, "whether amx_linear runs here (gemm_amx.cpp)");
-  m.def("amx_linear", &cadence::amx_linear, "x W^T (+ b) on AMX tiles, W in kernels.amx_pack's layout (gemm_amx.cpp)");
+  m.def("amx_linear", &cadence::amx_linear, "x W^T (+ b) on AMX tiles, W in kernels.amx_pack's layout; swiglu: "
+        "silu(gate) * up of swiglu_rows-interleaved [gate; up] (gemm_amx.cpp)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out"),
+        pybind11::arg("swiglu") = false);
   m.def("argmax_rows", &cadence::argmax_rows, "x.argmax(-1) of CPU rows, one vector pass (fused.cpp)");
   m.def("silu_mul", &cadence::silu_mul, "silu(gate) * up of [gate | up] rows, one pass (fused.cpp)");
   m.def("rope", &cadence::rope, "x * cos + rotate_half(x) * sin, one pass per row (fused.cpp)");

@@ -15,7 +15,7 @@
 
 namespace cadence {
 
-enum Kind : int64_t { ATEN = 0, ONEDNN = 1, INT8 = 2, INT4 = 3, AMX = 4 };
+enum Kind : int64_t { ATEN = 0, ONEDNN = 1, INT8 = 2, INT4 = 3, AMX = 4, AMX_SWIGLU = 5 };  // AMX_SWIGLU: [gate; up] -> silu(gate) * up
 
 inline const c10::OperatorHandle& onednn_linear() {
   static const c10::OperatorHandle op =
@@ -50,7 +50,7 @@ struct Lin {
       x2 = at::cat({x2, x2.narrow(0, m - 1, 1).expand({min_rows - m, -1})});
     }
     at::Tensor y;
-    if (kind == AMX) return amx_linear(x2, w, bias, out);
+    if (kind == AMX || kind == AMX_SWIGLU) return amx_linear(x2, w, bias, out, kind == AMX_SWIGLU);
     if (kind == INT8 || kind == INT4) {
       y = kind == INT8 ? at::_weight_int8pack_mm(x2.contiguous(), w, scale)
                        : at::_weight_int4pack_mm_for_cpu(x2.contiguous(), w, group, scale);
@@ -64,7 +64,7 @@ struct Lin {
   // ``Linear.__call__``; ``blocked``: honour max_rows (``FastBackbone._block_rows``)
   at::Tensor operator()(const at::Tensor& x, bool blocked) const {
     if (kind == ATEN) return at::linear(x, w, bias);
-    if (kind == AMX) return amx_linear(x, w, bias, out);  // any row count, rows independent: no padding or blocks
+    if (kind == AMX || kind == AMX_SWIGLU) return amx_linear(x, w, bias, out, kind == AMX_SWIGLU);  // any row count
     const int64_t cap = blocked ? max_rows : 0;
     const int64_t n = x.numel() / in;
     if (kind == ONEDNN && min_rows <= n && x.is_contiguous() && (!cap || n <= cap)) {
