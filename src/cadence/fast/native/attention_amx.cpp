@@ -63,14 +63,8 @@ using namespace vec;
 // tile products then touch only the rows that are its: a tile row's result depends on that
 // row alone, so the bits are those of a 16-row product)
 void configure_tiles(int rows = 16) {
-  struct alignas(64) Config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = (t >= 1 && t <= 3) ? 16 : static_cast<uint8_t>(rows);
-  _tile_loadconfig(&cfg);
+  const uint8_t r = static_cast<uint8_t>(rows);
+  load_tile_rows({r, 16, 16, 16, r, r, r, r});
 }
 
 typedef uint16_t bf16;  // raw bits

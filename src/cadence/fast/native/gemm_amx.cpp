@@ -53,18 +53,8 @@ typedef uint16_t bf16;  // raw bits
 // palette 1, 64-byte tile rows; A tiles 0-1 and C tiles 4-7 have r0 / r1 rows (rows 0-15 and
 // 16-31 of the row block; r1 = 0 configures 1 row, unused), B tiles 2-3 16
 void configure(int r0, int r1) {
-  struct alignas(64) Config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg{};
-  cfg.palette = 1;
   const uint8_t lo = static_cast<uint8_t>(r0), hi = static_cast<uint8_t>(std::max(r1, 1));
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
-  cfg.rows[0] = cfg.rows[4] = cfg.rows[5] = lo;
-  cfg.rows[1] = cfg.rows[6] = cfg.rows[7] = hi;
-  cfg.rows[2] = cfg.rows[3] = 16;
-  _tile_loadconfig(&cfg);
+  load_tile_rows({lo, hi, 16, 16, lo, lo, hi, hi});
 }
 
 struct Problem {
