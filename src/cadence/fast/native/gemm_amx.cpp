@@ -124,7 +124,7 @@ void run_blocks(const Problem& p, int64_t b0, int64_t b1) {
       const bf16* w = p.w + nb * p.KB * 1024;
       _tile_zero(4);
       _tile_zero(5);
-      if (r1 > 0) {
+      if (r1 > 0) {  // two row tiles; the loop below is the same with one (kept apart: the hot loop)
         _tile_zero(6);
         _tile_zero(7);
         for (int64_t kb = 0; kb < p.KB; ++kb, w += 1024) {
