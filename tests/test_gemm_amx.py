@@ -59,6 +59,31 @@ def test_amx_products_match_fp32_and_rows_do_not_depend_on_the_others(out_in_bia
 
 
 @needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_block_is_rounded_into_the_output_whatever_the_blocks_per_thread(threads):
+    """A block's epilogue runs during the next block's loop (``EPILOGUE_AT``) and the last
+    one's after it: one to five column blocks a thread, one to three row blocks, weights
+    shorter and longer than 16 steps; each output within bf16 rounding of the fp32 product
+    (an epilogue skipped or written to the wrong block would leave garbage or another block's
+    values)."""
+    gen = torch.Generator().manual_seed(7)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for n in (16, 32, 64, 160, 320):
+            for k in (32, 544, 576):
+                w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+                lin = Linear(w, None, "amx")
+                for rows in (1, 16, 17, 45, 70):
+                    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+                    ref = x.float() @ w.float().T
+                    y = lin(x).float()
+                    assert ((y - ref).abs() <= ref.abs() * 2 ** -8 + 1e-3).all(), (n, k, rows)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_amx
 def test_amx_linear_refuses_a_mismatched_input_or_layout():
     lin = Linear(torch.randn(64, 64).to(torch.bfloat16), None, "amx")
     with pytest.raises(RuntimeError, match="input size 96"):
