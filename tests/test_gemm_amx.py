@@ -62,7 +62,7 @@ def test_amx_products_match_fp32_and_rows_do_not_depend_on_the_others(out_in_bia
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_block_is_rounded_into_the_output_whatever_the_blocks_per_thread(threads):
     """A block's epilogue runs during the next block's loop (``EPILOGUE_AT``) and the last
-    one's after it: one to five column blocks a thread, one to three row blocks, weights
+    one's after it: zero to ten column blocks a thread, one or two row blocks, weights
     shorter and longer than 16 steps; each output within bf16 rounding of the fp32 product
     (an epilogue skipped or written to the wrong block would leave garbage or another block's
     values)."""
@@ -70,11 +70,11 @@ def test_every_block_is_rounded_into_the_output_whatever_the_blocks_per_thread(t
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        for n in (16, 32, 64, 160, 320):
-            for k in (32, 544, 576):
+        for n in (16, 64, 320):  # 1, 2, 10 column blocks
+            for k in (32, 576):  # 1 and 18 steps
                 w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
                 lin = Linear(w, None, "amx")
-                for rows in (1, 16, 17, 45, 70):
+                for rows in (1, 17, 45):  # one row tile, two, two row blocks
                     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
                     ref = x.float() @ w.float().T
                     y = lin(x).float()
