@@ -176,3 +176,24 @@ def test_isa_limits_turn_an_avx512_bf16_cpu_into_an_avx2_one(monkeypatch):
     info = {"cpu": "Some CPU", "cores": 2, "ram_gib": 1.0, "gpu": None, "torch": "t", "transformers": "x",
             "commit": "c", "isa_limit": cpu.isa_note()}
     assert "Some CPU (instruction set limited to torch AVX2" in machine_line(info)
+
+
+@pytest.mark.parametrize("name", ("hydra", "mtp", "eagle-taps"))
+def test_shipped_profiles_give_every_task_one_tree_per_entropy_bin(name):
+    """Each shipped profiles.json holds the five tasks with one acceptance table per bin, and
+    EntMTP derives one tree per bin from it that pays under a flat verify curve."""
+    from cadence.latency import LatencyCurve
+    from cadence.methods import SHIPPED_HEADS
+    from cadence.profiles import load_profiles
+    from cadence.schedulers.entmtp import bin_trees
+    from cadence.trees import expected_tau
+
+    profiles = load_profiles(SHIPPED_HEADS / "smollm2" / name)
+    assert set(profiles) == {"general", "humaneval", "gsm8k", "sharegpt", "writing"}
+    flat = LatencyCurve([1, 64], [0.01, 0.01])
+    for p in profiles.values():
+        assert p.edges == sorted(p.edges) and len(p.tables) == len(p.edges) + 1 == len(p.counts)
+        assert all(0.0 <= a <= 1.0 for t in p.tables for row in t for a in row) and min(p.counts) > 0
+        trees = bin_trees(p, False, flat, 0.0, len(p.tables[0]), len(p.tables[0]), 0.05)
+        assert len(trees) == len(p.tables)
+        assert all(expected_tau(t.paths, table) > 1.5 for t, table in zip(trees, p.tables))
