@@ -89,7 +89,7 @@ def main() -> None:
     policy, heads = engine.tree_policy, engine.drafter.heads
     profiles = load_profiles(getattr(heads, "source_dir", None))
     if not profiles:
-        raise SystemExit(f"no profiles.json beside these heads: run `cadence calibrate --heads DIR` first")
+        raise SystemExit("no profiles.json beside these heads: run `cadence calibrate --heads DIR` first")
     result = {"machine": machine_info(), "dtype": str(bb.dtype), "method": args.method, "heads": args.heads,
               "chains_only": policy.chains_only, "draft_s": policy.draft_s,
               "latency": {"sizes": policy.latency.sizes, "seconds": policy.latency.seconds},

@@ -122,3 +122,18 @@ def test_int4_leaves_the_head_unquantized_and_latency_curves_are_per_kernels(mon
         copy.load_state_dict(ref.model.state_dict())
         slow = FastBackbone(copy, ref.tokenizer, "q")
         assert slow.kernels.endswith("/python") and machine_key(slow) != keys["none"][0]
+
+
+def test_a_latency_curve_is_not_reused_after_the_native_kernels_change(monkeypatch):
+    """The curve's key names the native build (its sources), not only the kernels' kind: a
+    cadence upgrade that makes multi-row forwards faster measures the curve again."""
+    from cadence.latency import machine_key
+
+    if native.module() is None:
+        pytest.skip("no native extension here")
+    ref, _ = pair("llama", seed=3)
+    bb = FastBackbone(ref.model, ref.tokenizer, "q")
+    before = machine_key(bb)
+    assert bb.native_build == native.build_id() != ""
+    monkeypatch.setattr(native, "build_id", lambda: "another-build")
+    assert bb.native_build == "another-build" and machine_key(bb) != before

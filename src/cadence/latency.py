@@ -78,6 +78,8 @@ def machine_key(backbone) -> str:
         parts.append(f"quant={backbone.quant}")
     if getattr(backbone, "kernels", None):
         parts.append(f"kernels={backbone.kernels}")  # a kernel change invalidates the curve
+    if getattr(backbone, "native_build", ""):
+        parts.append(f"native={backbone.native_build}")  # so does an edit of the native kernels
     digest = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
     return f"{backbone.name}-{str(backbone.dtype).replace('torch.', '')}-{digest}"
 

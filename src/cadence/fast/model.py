@@ -201,6 +201,14 @@ class FastBackbone(RowsForward, Backbone):
         attention = ("/listed-amx" if self._listed_amx() else "/listed") if self.listed else ""
         return f"{self.layer_kind}/{self._head.kind}/{'cpp' if self._native else 'python'}{attention}"
 
+    @property
+    def native_build(self) -> str:
+        """The C++ extension build this backbone runs ('' for the Python loop): latency
+        curves are cached per build, since a kernel edit changes them (session 27's GEMM
+        work moved T(32)/T(1) from 1.42 to 1.30 under the same ``kernels``)."""
+        self._resolve_native()
+        return native.build_id() if self._native else ""
+
     def _listed_amx(self) -> bool:
         """Whether ``listed_attention`` runs on AMX tiles for this model (``attention_amx.cpp``:
         bf16, head size a multiple of 32, at most 16 query heads per kv head, a CPU with AMX)."""

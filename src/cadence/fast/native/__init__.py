@@ -86,15 +86,25 @@ def build_variant(name: str, march: str):
                               extra_cflags=flags, extra_ldflags=_LDFLAGS, verbose=False)
 
 
+def build_id() -> str:
+    """The loaded extension's build (its sources, torch, flags and CPU), '' when there is
+    none: what a latency curve measured through it holds for (``latency.machine_key``)."""
+    return _digest() if module() is not None else ""
+
+
 def _digest() -> str:
     """Names the build by the source and torch version, so an edit or a new torch rebuilds."""
     import hashlib
+
+    if "digest" in _state:
+        return _state["digest"]
 
     h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
     h.update(torch.__version__.encode())
     h.update(" ".join(_CFLAGS).encode())
     h.update(_cpu_identity().encode())  # -march=native: a build for one CPU never loads on another
-    return h.hexdigest()[:12]
+    _state["digest"] = h.hexdigest()[:12]
+    return _state["digest"]
 
 
 def _cpu_identity() -> str:
