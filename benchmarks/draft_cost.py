@@ -120,6 +120,8 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                     for name, timer in timers.items():
                         delattr(eng.drafter, name)  # back to the class method
                         tot["draft_s"] += timer.seconds
+                        tot[f"{name}_s"] = tot.get(f"{name}_s", 0.0) + timer.seconds
+                        tot[f"{name}_n"] = tot.get(f"{name}_n", 0) + timer.calls
                     tot["verify_s"] += verify.seconds
                     tot["steps"] += verify.calls
                     tot["tokens"] += len(out.tokens)
@@ -135,7 +137,10 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                    "draft_ms_per_step": round(1e3 * t["draft_s"] / steps, 3),
                    "verify_ms_per_step": round(1e3 * t["verify_s"] / steps, 3),
                    "other_ms_per_step": round(1e3 * (t["total_s"] - t["draft_s"] - t["verify_s"]) / steps, 3),
-                   "steps": t["steps"], "tokens": t["tokens"], "identical": f"{t['identical']}/{t['runs']}"}
+                   "steps": t["steps"], "tokens": t["tokens"], "identical": f"{t['identical']}/{t['runs']}",
+                   "drafter_calls": {n: {"ms_per_step": round(1e3 * t[f"{n}_s"] / steps, 3),
+                                         "calls_per_step": round(t[f"{n}_n"] / steps, 3)}
+                                     for n in DRAFTER_CALLS if t.get(f"{n}_n")}}
     return rows
 
 
@@ -159,6 +164,10 @@ def main() -> None:
     for m, r in rows.items():
         print(f"| {m} | {r['tok_s']} | {r['tokens_per_step']} | {r['draft_ms_per_step']} | "
               f"{r['verify_ms_per_step']} | {r['other_ms_per_step']} | {r['identical']} |")
+    print("\nDrafter calls, ms per step (calls per step):")
+    for m, r in rows.items():
+        calls = ", ".join(f"{n} {c['ms_per_step']} ({c['calls_per_step']})" for n, c in r["drafter_calls"].items())
+        print(f"- {m}: {calls or 'none'}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"machine": info, "dtype": str(bb.dtype), "rows": rows,

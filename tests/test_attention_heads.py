@@ -93,6 +93,12 @@ class _Oracle:
             self._rows.append(self.ref[idx] if right and idx < len(self.ref) else None)
         return out
 
+    def entry_features(self, cache, positions):
+        """Deferred shadow drafts (eagle): entry j drafts x_{j+2}, reference index j + 2 - plen."""
+        self._rows = [self.ref[j + 2 - self.plen] if 0 <= j + 2 - self.plen < len(self.ref) else None
+                      for j in positions]
+        return super().entry_features(cache, positions)
+
     def draft_logits(self, feats):
         logits = super().draft_logits(feats).clone()
         for i, want in enumerate(getattr(self, "_rows", [])):

@@ -115,12 +115,13 @@ class ReusedBuffers:
         return type(out)(**{**vars(out), "hidden": self._buf[:, :n]})
 
 
+@pytest.mark.parametrize("kind", ["hydra", "eagle"])
 @pytest.mark.parametrize("copy", [False, True])
-def test_batched_shadows_give_the_verdicts_one_at_a_time_would_give(bb, copy):
+def test_batched_shadows_give_the_verdicts_one_at_a_time_would_give(bb, copy, kind):
     """Plan.shadow_batch = 4: head-drafted shadows are judged four at a time in one head
-    call, in order, with the same verdicts as judging each at once (also when the
-    backbone reuses its output buffers); context copies are judged at once; nothing is
-    committed differently."""
+    call (eagle: one LM-head call over its cache's features of the roots' entries), in
+    order, with the same verdicts as judging each at once (also when the backbone reuses
+    its output buffers); context copies are judged at once; nothing is committed differently."""
     from cadence.context_copy import CopyConfig
     from cadence.drafter import HeadDrafter
     from cadence.heads import new_heads
@@ -130,8 +131,9 @@ def test_batched_shadows_give_the_verdicts_one_at_a_time_would_give(bb, copy):
     ref = Engine(bb).generate(ids, cfg)
     seen = {}
     for batch in (1, 4):
-        heads = new_heads("hydra", bb, 2, random=True, seed=1)
+        heads = new_heads(kind, bb, 2, random=True, seed=1)
         drafter = HeadDrafter(heads, CopyConfig() if copy else None)
+        assert drafter.batches_shadows
         sched = ShadowBatched(batch)
         out = Engine(ReusedBuffers(bb), drafter, lambda sampling: sched).generate(ids, cfg)
         assert out.tokens == ref.tokens
@@ -167,3 +169,23 @@ def test_a_pending_shadow_keeps_its_own_state_when_the_backbone_reuses_buffers(b
         at = len(ids) - 1 + i  # the position whose state produced it
         assert (root, truth) == (seq[at + 1], seq[at + 2])
         assert torch.allclose(h, full[at], atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_eagle_shadows_of_heads_that_know_the_continuation_all_hit(bb, batch):
+    """Heads that put the backbone's next token first: every shadow, judged at once or four
+    at a time from the features of the roots' cache entries, would have been accepted (a
+    deferred shadow judged at the wrong entry would miss)."""
+    from test_attention_heads import oracle_heads
+
+    from cadence.drafter import HeadDrafter
+
+    ids = [5, 17, 33, 2, 9]
+    cfg = GenerationConfig(max_new_tokens=24)
+    ref = Engine(bb).generate(ids, cfg).tokens
+    sched = ShadowBatched(batch)
+    drafter = HeadDrafter(oracle_heads(bb, "eagle", ref, len(ids)))
+    out = Engine(bb, drafter, lambda sampling: sched).generate(ids, cfg)
+    assert out.tokens == ref
+    verdicts = [v for s in sched.seen for v in s.shadows]
+    assert len(verdicts) >= len(ref) - 5 and all(verdicts[:-1])  # the last guess is past the reference

@@ -156,6 +156,40 @@ class HeadDrafter:
     def new_index(self) -> NgramIndex | None:
         return NgramIndex(self.copy) if self.copy is not None else None
 
+    @property
+    def batches_shadows(self) -> bool:
+        """Whether shadow drafts can wait and be judged several at a time (``judge_shadows``):
+        per-position heads (one head call over the kept states) and eagle (one LM-head call
+        over the features its cache computed for the roots' entries anyway). Other attention
+        heads (mtp-attn) draft each shadow through ``draft`` at once."""
+        return not getattr(self.heads, "attends", False) or hasattr(self.heads, "entry_features")
+
+    def shadow_key(self, hidden: torch.Tensor, context) -> torch.Tensor | int:
+        """What a deferred shadow draft keeps until it is judged: the root's state (d,), copied
+        (a fast backbone may reuse the buffer it is in), or for eagle the position of the
+        root's entry, ``len(context) - 1`` (its features are computed when the cache catches up)."""
+        return len(context) - 1 if getattr(self.heads, "attends", False) else hidden.clone()
+
+    @torch.inference_mode()
+    def judge_shadows(self, keys: list, roots: list[int], state: DraftState | None, hidden: torch.Tensor,
+                      context, root: int) -> list[int] | None:
+        """Head 1's top candidate for each deferred shadow (``shadow_key``s, their roots), in
+        one call; None when they cannot be judged (an eagle cache out of step with a request
+        that just ended, or entries no longer kept). ``state``, ``hidden``, ``context``,
+        ``root``: the request now, after its last commit (eagle's cache catches up to it,
+        as the next draft would). Draft vocabulary only, as ``shadow_heads``."""
+        if not getattr(self.heads, "attends", False):
+            return self.shadow_heads(torch.stack(keys), roots)
+        if state is None or state.committed != len(context):
+            return None
+        self._begin(state, hidden, context, root)  # the roots' entries: committed by now
+        feats = self.heads.entry_features(state.cache, keys)
+        if feats is None:
+            return None
+        logits, vocab_ids = self._logits(feats, None)
+        best = argmax(logits)
+        return (vocab_ids[best] if vocab_ids is not None else best).tolist()
+
     def new_state(self) -> DraftState | None:
         """Per-request state for attention heads; None for per-position heads (nothing to keep)."""
         return DraftState() if getattr(self.heads, "attends", False) else None

@@ -149,8 +149,8 @@ class PendingStep:
     q: torch.Tensor | None  # (N+1, V) draft distributions (T > 0), else None
     t_step: float  # perf_counter() when the step began
     shadow: int | None = None  # the shadow draft's token (Plan.shadow), checked against the bonus
-    shadow_later: torch.Tensor | None = None  # (d,) copy of the root's state: a shadow draft by the heads,
-    #                                          deferred to a batch (Plan.shadow_batch)
+    shadow_later: torch.Tensor | int | None = None  # a shadow draft deferred to a batch (Plan.shadow_batch):
+    #                                                what ``HeadDrafter.shadow_key`` keeps (the root's state, or eagle's entry position)
     rows: int = 1  # requests sharing the verify forward (set by a batched engine)
     copy_nodes: dict | None = None  # dynamic trees: node -> parent is a copy too, for each context copy
     fixed: frozenset = frozenset()  # T > 0: nodes proposed as a point mass (context copies), not drawn from q
@@ -248,7 +248,7 @@ class Request:
         self.tokens: list[int] = []
         self.done = False
         self.cache = None  # created at the first step (prefill)
-        self.shadow_rows: list[tuple[torch.Tensor, int, int]] = []  # deferred shadows: (h (d,), root, truth)
+        self.shadow_rows: list[tuple] = []  # deferred shadows: (shadow_key, root, truth)
         self._t0 = 0.0
 
     @property
@@ -370,17 +370,19 @@ class Request:
         (T = 0 only: at T > 0 a draft would consume the request's random stream); (None, None)
         for none. Example: root r, the heads' (or a context copy's) next guess d; the root's
         forward then gives the true next token b, and the scheduler is told d == b. A guess
-        the per-position heads must make waits for ``plan.shadow_batch`` of them
-        (``_judge_shadows``): (None, a (d,) copy of the root's state: a fast backbone may
-        reuse the buffer it is in)."""
+        the heads must make waits for ``plan.shadow_batch`` of them (``_judge_shadows``) where
+        the drafter batches shadows: (None, ``drafter.shadow_key``)."""
         if not plan.shadow or plan.tree.size != 1 or not self.sampling.greedy:
             return None, None
         drafter = self.engine.drafter
-        if hasattr(drafter, "shadow_heads") and not getattr(drafter.heads, "attends", False):
+        if getattr(drafter, "batches_shadows", False):
             tok = drafter.shadow_copy(self.root, self.context, self.copies)
-            if tok is not None or plan.shadow_batch <= 1:
-                return (tok if tok is not None else drafter.shadow_heads(self.hidden[None], [self.root])[0]), None
-            return None, self.hidden.clone()
+            if tok is not None:
+                return tok, None
+            if plan.shadow_batch > 1:
+                return None, drafter.shadow_key(self.hidden, self.context)
+            if not getattr(drafter.heads, "attends", False):
+                return drafter.shadow_heads(self.hidden[None], [self.root])[0], None
         d = self._draft(SHADOW_CHAIN)
         return (int(d.tokens[1]) if d.tree.size == 2 else None), None
 
@@ -397,8 +399,9 @@ class Request:
         if len(self.shadow_rows) < job.plan.shadow_batch:
             return ()
         rows, self.shadow_rows = self.shadow_rows, []
-        guesses = self.engine.drafter.shadow_heads(torch.stack([h for h, _, _ in rows]), [r for _, r, _ in rows])
-        return tuple(g == t for g, (_, _, t) in zip(guesses, rows))
+        guesses = self.engine.drafter.judge_shadows([k for k, _, _ in rows], [r for _, r, _ in rows],
+                                                    self.draft_state, self.hidden, self.context, self.root)
+        return () if guesses is None else tuple(g == t for g, (_, _, t) in zip(guesses, rows))
 
     def _draft(self, tree, dynamic=None, remaining: int = 0) -> Draft:
         """The drafter fills ``tree``; ``Draft.tree`` is the tree that runs (nodes it could not

@@ -63,17 +63,27 @@ class _Tree:
     anc: dict = field(default_factory=dict)  # node -> scratch indices of its drafted ancestors and itself
 
 
+KEEP = 256  # committed entries whose features a cache keeps (deferred shadow drafts read them)
+
+
 class EagleCache:
-    """Per-request drafter cache: KV of the committed entries and the last entry's output."""
+    """Per-request drafter cache: KV of the committed entries and the outputs of the newest."""
 
     def __init__(self, heads: "EagleHeads", start: int):
         p = next(heads.parameters())
         self.kv = [KV(layer.shape, start, p.device, p.dtype) for layer in heads.layers]  # per layer
         self.last: torch.Tensor | None = None  # f of the newest entry
+        self.recent: torch.Tensor | None = None  # (r, d) f of entries end - r .. end - 1 (r <= KEEP)
 
     @property
     def end(self) -> int:
         return self.kv[0].end
+
+    def keep(self, out: torch.Tensor) -> None:
+        """Remember the features of the entries just added (out (m, d), the newest last)."""
+        both = out.clone() if self.recent is None else torch.cat([self.recent, out])  # out may be a reused buffer
+        self.recent = both[-KEEP:]
+        self.last = out[-1]
 
 
 class EagleHeads(DraftHeads):
@@ -211,10 +221,21 @@ class EagleHeads(DraftHeads):
             for layer, kv in zip(self.layers, cache.kv):
                 out = layer.draft_forward(out, pos, kv, n, mask, top=t)
                 kv.advance(m)
-            cache.last = out[-1]
+            cache.keep(out)
         if cache.last is None:
             raise CadenceError("eagle drafter state is empty: commit the prompt's states first")
         return _Tree(cache.kv, t, cache.last)
+
+    def entry_features(self, cache: EagleCache, positions: list[int]) -> torch.Tensor | None:
+        """Features (B, d) of committed entries at ``positions`` (entry j reads x_{j+1} and
+        h_j, so its features draft x_{j+2}: depth 1 after the root x_{j+1}); None when one
+        of them is not among the newest ``KEEP``. Example: end 50, 8 kept (entries 42..49)
+        -> positions [44, 49] are rows 2 and 7; [40] -> None."""
+        r = 0 if cache.recent is None else cache.recent.shape[0]
+        first = cache.end - r
+        if any(not first <= p < cache.end for p in positions):
+            return None
+        return cache.recent[[p - first for p in positions]]
 
     def tree_step(self, k: int, prev: torch.Tensor, tokens: torch.Tensor, ctx: _Tree, nodes: list[int],
                   parents: list[int]):

@@ -38,7 +38,9 @@ as evidence for depth 1 like a real step (hit or miss against the table's top-1
 acceptance). A shadow hit lets the cheapest tree run; only a real accepted draft opens the
 whole frontier. Head-drafted shadows are judged ``shadow_batch`` (4) at a time in one head
 call (``Plan.shadow_batch``: four cost about 1.5x one, 0.22 ms each instead of 0.57 on a
-2-core EPYC), so every root step can carry one; context copies are judged at once. With
+2-core EPYC; eagle's, one LM-head call over features its cache computes anyway), so every
+root step can carry one; context copies are judged at once, and so is a request's first
+shadow (a predictable request then speculates from its second step, not its fifth). With
 ``max_shadow_every`` > 1 shadows are spaced 2, 4, ... root steps apart while they miss
 after the first ``first_shadows``. Replayed under this machine's step costs
 (``benchmarks/prompts/tuning.jsonl``), batches of 4 on every root step beat one shadow at a
@@ -139,6 +141,7 @@ class AdaptiveScheduler:
         self.shadow_every, self.max_shadow_every = 1, max_shadow_every
         self.shadows_left = first_shadows  # shadows before spacing them out
         self.shadow_batch = shadow_batch  # head-drafted shadows judged together (Plan.shadow_batch)
+        self.first_shadow = True  # a request's first shadow is judged at once: predictable text speculates at step 2
         self.opened = False  # a draft (shadow or real) of this request would have been accepted
 
     def factors(self) -> list[float]:
@@ -176,7 +179,8 @@ class AdaptiveScheduler:
             self.root_streak += 1
             if self.root_streak >= self.shadow_every:
                 self.root_streak = 0
-                return Plan(root.tree, shadow=True, shadow_batch=self.shadow_batch)
+                first, self.first_shadow = self.first_shadow, False
+                return Plan(root.tree, shadow=True, shadow_batch=1 if first else self.shadow_batch)
             return Plan(root.tree)
         if best is root and len(self.cands) > 1:
             self.root_streak += 1
