@@ -1,4 +1,4 @@
-"""The fast path: a lean decoder forward for Llama-family backbones (issue 10).
+"""The fast path: a lean decoder forward for Llama-family backbones.
 
 Modules, one idea each:
 - ``arch``: which configs the fast decoder supports, and why others are refused.

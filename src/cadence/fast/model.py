@@ -204,8 +204,8 @@ class FastBackbone(RowsForward, Backbone):
     @property
     def native_build(self) -> str:
         """The C++ extension build this backbone runs ('' for the Python loop): latency
-        curves are cached per build, since a kernel edit changes them (session 27's GEMM
-        work moved T(32)/T(1) from 1.42 to 1.30 under the same ``kernels``)."""
+        curves are cached per build, since a kernel edit changes them (the 2026-12-04 GEMM work,
+        74609e8 and 1e88e28, moved T(32)/T(1) from 1.42 to 1.30 under the same ``kernels``)."""
         self._resolve_native()
         return native.build_id() if self._native else ""
 

@@ -33,7 +33,7 @@ constexpr int LANES = vec::LANES;  // partial sums of a row, added in a fixed or
 
 // Rows of at most this many are done on the calling thread: below it a parallel region
 // costs more than it saves. 32-node forwards with all rows on one thread ran about 1.4 ms
-// slower than with this split (ad hoc A/B on the AMX Xeon, session 24; the kernels' own
+// slower than with this split (ad hoc A/B on the AMX Xeon, 2026-12-03, 4084f81; the kernels' own
 // times: ``benchmarks/fused_cost.py``).
 constexpr int64_t kRowGrain = 8;
 

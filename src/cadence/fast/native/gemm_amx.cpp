@@ -1,7 +1,7 @@
 // y = x W^T (+ b) for bf16 activations of a few rows on AMX tiles, the weights streamed once.
 //
 // Why not oneDNN: on the AMX Xeon (2 threads, SmolLM2's projections, weights cycled through
-// 30 copies as a forward meets them; ``benchmarks/gemm_cost.py``, session 26) oneDNN's
+// 30 copies as a forward meets them; ``benchmarks/gemm_cost.py``, 2026-12-03, 365b11d) oneDNN's
 // prepacked bf16 product cost 42/30/127/58 us for 1 row of qkv/o/gate_up/down and 1.45 ms
 // for the LM head; this kernel 25/16/91/40 us and 1.19 ms. At 32 rows both pay about the
 // same extra (the tile arithmetic is not hidden behind the weight stream in either: 42 us
@@ -104,7 +104,7 @@ void store_block(const Problem& p, const float* c, int64_t nb, int64_t m0, int64
 
 // The weights PREFETCH_STEPS steps (2 KiB each) ahead into L2: the tile loads wait for their
 // data in order, and the hardware prefetcher alone left the 32-row products unoverlapped with
-// the stream (``benchmarks/verify_cost.py``, session 26). A prefetch past the end is harmless.
+// the stream (``benchmarks/verify_cost.py``, 2026-12-03, 40de4f5). A prefetch past the end is harmless.
 constexpr int64_t PREFETCH_STEPS = 4;
 inline void prefetch_ahead(const bf16* w) {
   const char* at = reinterpret_cast<const char*>(w + PREFETCH_STEPS * 1024);
@@ -114,7 +114,7 @@ inline void prefetch_ahead(const bf16* w) {
 // Past 16 rows the weight tiles load with the non-temporal hint (TILELOADDT1): a row block's
 // activations (32 rows x K, 36 KiB for the gate/up product) are reread for every column
 // block and stay in L1 only if the streamed weights do not push them out. Measured with both
-// forms in one process (session 27, AMX Xeon, alternating): a 32-node forward 13.66/13.51 ms
+// forms in one process (2026-12-04, 74609e8, AMX Xeon, alternating): a 32-node forward 13.66/13.51 ms
 // against 14.27/14.08, a one-token forward unchanged (10.36/10.24 vs 10.33/10.20). One-row
 // calls keep plain loads (the hint changed nothing there).
 
@@ -122,7 +122,7 @@ inline void prefetch_ahead(const bf16* w) {
 // that block's EPILOGUE_AT-th step (or its last), from a second C buffer, and the last
 // block's after the loop. In its natural place, between the tile stores and the next block's
 // first loads, it cost a one-token forward 0.17-0.33 ms, a 16-node one 0.47-0.61 and a
-// 32-node one 0.32-0.41 (in-process A/B, alternating, four runs, session 27, AMX Xeon; across
+// 32-node one 0.32-0.41 (in-process A/B, alternating, four runs, 2026-12-04, 1e88e28, AMX Xeon; across
 // processes the gain drowned in their spread); run early in the next block (step 1) it saved
 // less at 32 rows. The bits do not change: the same epilogue on the same tiles.
 constexpr int64_t EPILOGUE_AT = 16;
