@@ -9,11 +9,12 @@ with ``--since N`` the train shards from the N-th on (those a shipped drafter ne
 ``--until N`` only those before the N-th (combine with ``--every``), and ``--val N`` keeps only
 the first N val shards (a cache for fewer shards builds sooner, but held-out rows are packed
 from the shards kept, so the training log's held-out figures are then not comparable with runs
-on every val shard: session 21 evaluated on all of them afterwards, model card).
+on every val shard: evaluate on all of them afterwards, as the model card's ``eagle-taps/``
+figures were).
 
-Usage (session 16): python scripts/subset_store.py data/selfdistill/smollm2 runs/s16/sub --every 8 --first 2
-Usage (session 18): python scripts/subset_store.py data/selfdistill/smollm2 runs/s18/new --since 109
-Usage (session 21): python scripts/subset_store.py data/selfdistill/smollm2 runs/s21/mix --until 81 --every 4 --val 8
+Usage: python scripts/subset_store.py data/selfdistill/smollm2 runs/sub --every 8 --first 2
+       python scripts/subset_store.py data/selfdistill/smollm2 runs/new --since 109
+       python scripts/subset_store.py data/selfdistill/smollm2 runs/mix --until 81 --every 4 --val 8   # eagle-taps/
 """
 
 import argparse

@@ -150,7 +150,7 @@ def test_llama_cpp_peer_with_a_fake_module(tiny, tmp_path, monkeypatch):
 
 
 def test_a_llama_cpp_build_that_dies_in_a_test_decode_is_skipped_not_fatal(tiny, tmp_path, monkeypatch):
-    """Session 12: a build with ggml's AMX kernels died with SIGILL at its first token and took
+    """On the AMX Xeon (2026-12-01) a build with ggml's AMX kernels died with SIGILL at its first token and took
     the whole benchmark with it. The peer now decodes a few tokens in a child process first."""
     import cadence.bench.peers as peers
 

@@ -76,7 +76,7 @@ def test_summarize_cell():
 
 
 def test_slow_generations_are_noted_by_their_mean_step():
-    """Session 21: one hydra generation at 2.5x its method's usual step time (another process
+    """One hydra generation at 2.5x its method's usual step time (another process
     on the CPU) went unnoticed into the report; the report now names such generations."""
     def gen(key, method, secs):
         return rec(key, method, steps=len(secs), log={"seconds": secs, "accepted": [0] * len(secs)})

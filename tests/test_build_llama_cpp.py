@@ -12,7 +12,7 @@ XEON = {"sse4_2", "avx", "avx2", "bmi2", "fma", "f16c", "avx_vnni", "avx512f", "
 
 
 def test_amx_stays_off_unless_asked_for_and_missing_sets_are_off():
-    """ggml's AMX kernels died with SIGILL on session 12's Xeon: off by default."""
+    """ggml's AMX kernels died with SIGILL on the AMX Xeon (2026-12-01): off by default."""
     args = derive_cmake_args(XEON)
     assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX512_BF16=ON" in args
     assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)

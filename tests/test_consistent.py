@@ -34,7 +34,7 @@ def test_a_padded_gemm_gives_a_row_the_bits_it_gets_in_any_batch():
 
 @needs_onednn
 def test_a_gemm_of_more_than_max_rows_gives_each_row_its_small_batch_bits():
-    """On the AMX Xeon (session 12) oneDNN took another bf16 kernel from M = 33 rows on:
+    """On the AMX Xeon (2026-12-01) oneDNN took another bf16 kernel from M = 33 rows on:
     every row of a 33- to 64-row call differed from the same row in a call of 2-32 rows.
     Calls are split into blocks of at most MAX_ROWS rows (2-D and 3-D inputs alike)."""
     torch.manual_seed(0)
@@ -372,7 +372,7 @@ def test_grouped_sdpa_same_bits_as_enable_gqa(b, n, L, four_d):
     """Folding the query heads that share a key/value head into the query rows must give
     enable_gqa's bits in bf16 (the row-consistent path relies on them) and its values in fp32.
     Key counts are whole 64-key blocks, as the row-consistent path pads them, or few queries:
-    on the AMX Xeon (session 12) 200 keys with 22 or more queries took other bits, in some
+    on the AMX Xeon (2026-12-01) 200 keys with 22 or more queries took other bits, in some
     rows, than 200 keys with 4 (folded or not); at multiples of 64 keys none did (252 cases)."""
     from cadence.fast.consistent import grouped_sdpa
     g = torch.Generator().manual_seed(n * L + b)

@@ -149,7 +149,7 @@ def test_sampled_copies_are_accepted_on_a_looping_model(looping):
 def test_a_node_without_a_candidate_takes_its_subtree_along(llama, monkeypatch):
     """At T > 0 a node whose copy held all of q gets no draws besides it, so its rank-1 sibling
     goes unfilled. Its children must go too, not be drafted from a parent state that was
-    never computed (a KeyError on the AMX Xeon's branching trees, session 23)."""
+    never computed (a KeyError on the AMX Xeon's branching trees, 2026-12-03)."""
     heads = new_heads("hydra", llama, K, random=True, seed=1)
     drafter = HeadDrafter(heads, CopyConfig(), copy_depth=K)
     real = drafter._candidates

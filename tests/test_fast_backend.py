@@ -1,4 +1,4 @@
-"""Backend selection, weight sharing and the static cache of the fast path (issue 10)."""
+"""Backend selection, weight sharing and the static cache of the fast path."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fast decoder computes what transformers computes (issue 10, item 4).
+"""The fast decoder computes what transformers computes.
 
 Tiny random models of each supported family; logits compared with the transformers
 ``Backbone`` for prefill, one-token steps, tree forwards (tree mask, explicit positions),

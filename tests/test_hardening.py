@@ -155,7 +155,7 @@ def test_dropped_nodes_are_reported_with_the_real_node_count(llama):
 
 
 def test_sampled_request_on_a_copy_engine_gets_the_copy_tree(llama):
-    """Since session 22 copies are drafted at T > 0 too (point-mass proposals): a sampled
+    """Copies are drafted at T > 0 too (point-mass proposals): a sampled
     request runs the same copy tree as a greedy one; without copy, the heads' own tree."""
     from cadence.methods import Method, MethodSpec, make_engine
 

@@ -1,4 +1,4 @@
-"""Failures that used to be hidden (issue 8, item 10): a broken subcommand module vanishing
+"""Failures that used to be hidden: a broken subcommand module vanishing
 from --help, flag help read from source comments (empty without sources), and the slow
 real-model tests skipping in CI."""
 

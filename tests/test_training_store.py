@@ -178,7 +178,7 @@ def test_sigterm_and_ctrl_c_keep_finished_sequences(env, tmp_path, monkeypatch):
 def test_a_second_sigterm_does_not_cut_the_flush_short(env, tmp_path, monkeypatch):
     """`timeout -s TERM` and a kill of its process group each send SIGTERM: the second one
     arrived while the first was writing the finished sequences, and the run died with a
-    traceback, the batch lost (session 14)."""
+    traceback, the batch lost."""
     import os
     import signal
 

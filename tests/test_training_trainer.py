@@ -136,7 +136,7 @@ def test_topk_teacher_without_stored_logits_is_an_error(env):
 
 def test_the_hidden_cache_is_built_with_glibcs_heap_and_the_bound_restored(env, monkeypatch):
     """A 1 MiB mmap threshold made every 6 MiB logits chunk of the cache build a fresh mmap
-    (903 against 1,594 tok/s on the AMX Xeon, session 12): the build runs under a high
+    (903 against 1,594 tok/s on the AMX Xeon, 2026-12-01): the build runs under a high
     threshold, and training after it under the 1 MiB bound again."""
     import cadence.training.heap as heap
     import cadence.training.hidden_cache as hidden_cache

@@ -85,7 +85,7 @@ class MethodSpec:
                 "other heads stop at K"})
     dyn_sampled: bool = field(default=False, metadata={
         "help": "dynamic scheduler at T > 0: grow dynamic trees verified as point masses (lossless) instead of "
-                "adaptive's trees of i.i.d. draws from q (slower on the Zen 4 EPYC, session 22: hydra 1.26x "
+                "adaptive's trees of i.i.d. draws from q (slower on the Zen 4 EPYC, 2026-12-03: hydra 1.26x "
                 "against 1.53x at T = 0.7)"})
     copy_conf: float = field(default=0.4, metadata={
         "help": "dynamic scheduler: a context copy's value relative to its parent (at least; the heads' "

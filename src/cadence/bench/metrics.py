@@ -124,9 +124,9 @@ def slow_generations(records: Iterable[dict], factor: float = 2.0, min_steps: in
     """Generations whose mean step took over ``factor`` x their method's median mean step.
 
     A method's mean step time moves little from prompt to prompt (at most 1.5x over five
-    runs of sessions 16-21, 128 new tokens), so a generation at 2x or more was most likely
-    slowed by something else on the CPU, and its speedup is not the method's. Example:
-    session 21, hydra: mean steps of 21-32 ms on 39 prompts, 59 ms on one (a few 0.2 s
+    runs, 2026-12-02 to 2026-12-03, 128 new tokens), so a generation at 2x or more was most likely
+    slowed by something else on the CPU, and its speedup is not the method's. Example
+    (2026-12-03, d7eae0c), hydra: mean steps of 21-32 ms on 39 prompts, 59 ms on one (a few 0.2 s
     steps while another process ran) -> that one is listed, ratio 59 / 23.4 = 2.5.
     Returns [{"method", "task", "key", "ratio"}], worst first; generations without a step
     log or with fewer than ``min_steps`` steps are not judged.

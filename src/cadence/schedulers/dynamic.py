@@ -14,7 +14,7 @@ Lossless: only which drafts are verified changes. At T > 0 a request runs what `
 (or ``--tree``) plans: trees of i.i.d. draws from q. With ``--dyn-sampled`` it grows the
 dynamic tree from the drafter's distribution under its sampling settings instead, every node
 verified as a point-mass proposal (``dynamic_tree``; exact too), which measured slower on
-the Zen 4 EPYC (session 22, T = 0.7, 40 prompts: hydra 1.26x against 1.53x, eagle-taps
+the Zen 4 EPYC (2026-12-03, e9a3866, T = 0.7, 40 prompts: hydra 1.26x against 1.53x, eagle-taps
 1.40x against 1.53x): larger trees for a tau that rose less than their cost.
 """
 

@@ -15,7 +15,7 @@ the same run RSS stayed flat at 0.8-1.1 GiB at the same speed.
 Building the hidden cache is the opposite case: the same few shapes every batch (32-row
 logits chunks of 6 MiB, the forward's activations), so a 1 MiB threshold only turns each of
 them into a fresh ``mmap`` and its page faults: 903 tok/s against 1,700-1,800 with glibc's
-own threshold (AMX Xeon, session 12; system time 84 of 209 CPU-seconds). The trainer builds
+own threshold (AMX Xeon, 2026-12-01, c3906c5; system time 84 of 209 CPU-seconds). The trainer builds
 the cache under ``heap_threshold(BUILD_THRESHOLD)`` and bounds the heap again after.
 """
 

@@ -21,10 +21,10 @@ Sources (``DistillConfig.sources``):
   (a form such as poem / short story / letter, a topic, an audience or tone).
 - ``sharegpt-turns``: the later human turns of the same training conversations, each as a
   stand-alone prompt (at least 40 characters; ``cadence.prompts.sharegpt_later_turns``).
-  Added in session 14, when the four sources above were used up.
+  Added when the four sources above were used up.
 - ``code-packages``: HumanEval-style "complete this function" prompts, as ``code``'s first
   half, from the installed third-party packages (the interpreter's ``purelib``: torch,
-  transformers, numpy, ...; their test directories left out). Also added in session 14.
+  transformers, numpy, ...; their test directories left out).
 - ``PATH.jsonl``: user prompts, one ``{"prompt": ...}`` per line.
 
 Mixing: each source is shuffled by ``seed`` on its own (``code`` and ``writing`` shuffle
