@@ -4,23 +4,23 @@ context, switching the kernel (``set_listed_attention_amx``) before each round. 
 with AMX; the two kernels reduce differently, so a real process never switches (the switch
 is for tests and this comparison).
 
-Usage:  python benchmarks/attention_ab.py [--sizes 1 8 16 32 64] [--reps 9] [--out FILE]
+Usage:  python benchmarks/kernels/attention_ab.py [--sizes 1 8 16 32 64] [--reps 9] [--out FILE]
 Prints ms per forward (median) and T(n)/T(1) for both kernels; writes JSON with --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.fast import native
-from cadence.machine import machine_info, machine_line
 from verify_cost import binary_tree
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    bb = load_backbone("smollm2", torch.bfloat16, backend="fast")
+    bb = common.backbone("smollm2", torch.bfloat16, backend="fast")
     cache = bb.new_cache()
     bb.forward(torch.randint(100, 1000, (1, args.context), generator=torch.Generator().manual_seed(0)), cache,
                need_logits=False)  # builds the extension too
@@ -55,17 +55,16 @@ def main() -> None:
                     times[kernel].setdefault(n, []).append(dt * 1000)
     ops.set_listed_attention_amx(True)
     ms = {k: {n: round(statistics.median(v), 2) for n, v in t.items()} for k, t in times.items()}
-    info = machine_info()
-    print(f"{machine_line(info)}; bf16, binary trees, context {args.context}, median of {args.reps}\n")
+    info = common.machine()
+    print(f"{common.machine_line(info)}; bf16, binary trees, context {args.context}, median of {args.reps}\n")
     print("| nodes | AMX ms | rel | vector ms | rel | AMX saves |\n|---:|---:|---:|---:|---:|---:|")
     first = args.sizes[0]
     for n in args.sizes:
         a, v = ms["amx"][n], ms["vector"][n]
         print(f"| {n} | {a} | {a / ms['amx'][first]:.3f} | {v} | {v / ms['vector'][first]:.3f} | {v - a:.2f} ms |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": info, "context": args.context, "reps": args.reps,
-                                              "ms": ms}, indent=2))
-        print(f"\nwrote {args.out}")
+        print()
+        common.write_json(args.out, {"machine": info, "context": args.context, "reps": args.reps, "ms": ms}, indent=2)
 
 
 if __name__ == "__main__":

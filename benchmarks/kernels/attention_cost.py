@@ -5,22 +5,23 @@ head_dim 64, bf16) over a context of ``--keys`` cached keys, for 1..32 query row
 row r sees the context and rows 0..r). Microseconds per call, median of ``--reps`` runs of
 ``--calls`` calls, both kernels interleaved.
 
-Usage:  python benchmarks/attention_cost.py [--keys 320] [--rows 1 4 8 16 32] [--out FILE]
+Usage:  python benchmarks/kernels/attention_cost.py [--keys 320] [--rows 1 4 8 16 32] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.fast import consistent, native
-from cadence.machine import machine_info, machine_line
 
 
 def timed(fn, calls: int) -> float:
@@ -71,12 +72,11 @@ def main() -> None:
         rows[n] = {"listed_us": round(statistics.median(a), 1), "sdpa_padded_us": round(statistics.median(b), 1)}
         print(f"{n:3d} rows: listed {rows[n]['listed_us']:7.1f} us   PyTorch (padded, folded) "
               f"{rows[n]['sdpa_padded_us']:7.1f} us", flush=True)
-    print(machine_line())
+    info = common.machine()
+    print(common.machine_line(info))
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine_info(), "keys": args.keys, "heads": H,
-                                              "kv_heads": KV, "head_dim": D, "threads": torch.get_num_threads(),
-                                              "rows": rows}, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        common.write_json(args.out, {"machine": info, "keys": args.keys, "heads": H, "kv_heads": KV, "head_dim": D,
+                                     "threads": torch.get_num_threads(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -10,18 +10,20 @@ at a time (what plain decoding computes), on contexts that end just before a 64-
 ``--tree`` does the same for every node of a branching 9-node tree (whose nodes' ancestors are
 not all in the first slots after the context, as they are in plain decoding).
 
-Usage:  python benchmarks/consistency.py [--dtype bfloat16] [--contexts 20] [--off] [--chain | --tree]
+Usage:  python benchmarks/kernels/consistency.py [--dtype bfloat16] [--contexts 20] [--off] [--chain | --tree]
 """
 
 from __future__ import annotations
 
 import argparse
 
+import sys
+from pathlib import Path
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 import cadence.fast.consistent as consistent
-from cadence.backbone import load_backbone
-from cadence.machine import machine_info, machine_line
 from cadence.scorer import score
 from cadence.trees import compile_tree, grow_tree, prior_acceptance
 
@@ -38,10 +40,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.off:
         consistent.wanted = lambda kernel, dtype: False
-    bb = load_backbone(args.model, args.dtype, backend="fast", quant=args.quant)
+    bb = common.backbone(args.model, args.dtype, backend="fast", quant=args.quant)
     probe = chain_probe if args.chain else tree_probe if args.tree else root_probe
     bad, total = probe(bb, args.contexts)
-    print(f"{machine_line(machine_info())}; {bb.dtype}, quant {bb.quant}, padding {'off' if args.off else 'on' if bb.consistent else 'not used'}")
+    print(f"{common.machine_line()}; {bb.dtype}, quant {bb.quant}, padding {'off' if args.off else 'on' if bb.consistent else 'not used'}")
     what = "chain-node" if args.chain else "tree-node" if args.tree else "root"
     print(f"{len(bad)} of {total} {what} logits differ; largest {max((d for *_, d in bad), default=0):.4f}")
     for past, n, diff in bad[:10]:

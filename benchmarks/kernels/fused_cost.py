@@ -5,23 +5,24 @@
 A decoder layer calls silu_mul and rope once and add_rms_norm twice. Median of ``--reps``
 runs of ``--calls`` calls, kernels interleaved.
 
-Usage:  python benchmarks/fused_cost.py [--rows 2 32] [--reps 7] [--calls 2000] [--out FILE]
+Usage:  python benchmarks/kernels/fused_cost.py [--rows 2 32] [--reps 7] [--calls 2000] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.fast import native, rope
 from cadence.fast.model import _rms
-from cadence.machine import machine_info, machine_line
 
 
 def timed(fn, calls: int) -> float:
@@ -74,11 +75,11 @@ def main() -> None:
              + 2 * out["add_rms_norm"][str(r)]["fused_us"] for r in args.rows}
     print("per decoder layer (silu_mul + rope + 2 add_rms_norm): "
           + ", ".join(f"{r} rows {v:.1f} us" for r, v in layer.items()))
-    print(machine_line())
+    info = common.machine()
+    print(common.machine_line(info))
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(),
-                                              "kernels": out, "per_layer_us": layer}, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        common.write_json(args.out, {"machine": info, "threads": torch.get_num_threads(), "kernels": out,
+                                     "per_layer_us": layer})
 
 
 if __name__ == "__main__":

@@ -6,22 +6,23 @@ through ``--copies`` different weight matrices of the shape (30 = SmolLM2's laye
 head has one), so the weights stream from memory or the last-level cache, not from L2.
 Median of ``--reps`` runs, kinds interleaved; the extra columns give T(rows) - T(1).
 
-Usage:  python benchmarks/gemm_cost.py [--kinds amx onednn] [--rows 1 8 32] [--reps 5]
+Usage:  python benchmarks/kernels/gemm_cost.py [--kinds amx onednn] [--rows 1 8 32] [--reps 5]
         [--copies 30] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.fast.kernels import Linear, resolve_kind
-from cadence.machine import machine_info, machine_line
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 
@@ -73,10 +74,11 @@ def main() -> None:
             t = out[name][kind]
             cells = " | ".join(f"{t[str(r)]:.1f}" for r in args.rows)
             print(f"| {name} | {kind} | {cells} | {t[str(args.rows[-1])] - t[str(args.rows[0])]:.1f} |", flush=True)
-    print(machine_line())
+    info = common.machine()
+    print(common.machine_line(info))
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(),
-                                              "copies": args.copies, "us": out}, indent=1) + "\n")
+        common.write_json(args.out, {"machine": info, "threads": torch.get_num_threads(), "copies": args.copies,
+                                     "us": out})
 
 
 if __name__ == "__main__":

@@ -13,23 +13,23 @@ their own (two vCPUs sharing one core's AMX unit scale by about 1.1x, not 2x). R
 cost 2 * rows * parameters FLOP per forward; against this peak that bounds how cheap a
 32-node verify can be.
 
-Usage:  python benchmarks/kernel_cost.py [--dtype bfloat16] [--rows 1 4 8] [--kinds onednn] [--rounds 5]
-Writes benchmarks/results/kernel-cost-<cpu>.json and prints a markdown table.
+Usage:  python benchmarks/kernels/kernel_cost.py [--dtype bfloat16] [--rows 1 4 8] [--kinds onednn] [--rounds 5]
+Writes runs/kernel-cost-<cpu>.json (or --out) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.fast.kernels import Linear
-from cadence.machine import cpu_model, machine_info, machine_line
 
 # SmolLM2-135M: fused q/k/v, o, fused gate/up, down, LM head (out, in)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -37,7 +37,7 @@ KINDS = ("onednn", "int8", "int4")
 
 
 def last_level_cache_bytes() -> int:
-    """Size of the CPU's largest cache (sysfs; 0 when unknown). The AMX Xeon of session 12
+    """Size of the CPU's largest cache (sysfs; 0 when unknown). One AMX Xeon (a KVM guest)
     reported a 480 MiB L3: a fixed 64 MiB of copies stayed in it and looked twice as fast."""
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="default runs/kernel-cost-<cpu>.json")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     table = {}
@@ -105,8 +105,8 @@ def main() -> None:
             for rows in args.rows:
                 table.setdefault(name, {}).setdefault(kind, {})[rows] = round(
                     time_kind(kind, shape, rows, dtype, args.rounds), 4)
-    info = machine_info()
-    print(f"{machine_line(info)}; {args.dtype}, cold weights (copies of each matrix over {COLD_BYTES >> 20} MiB)\n")
+    info = common.machine()
+    print(f"{common.machine_line(info)}; {args.dtype}, cold weights (copies of each matrix over {COLD_BYTES >> 20} MiB)\n")
     print("| matrix (out x in) | " + " | ".join(f"{k} {r} rows" for k in args.kinds for r in args.rows) + " |")
     print("|---|" + "---:|" * (len(args.kinds) * len(args.rows)))
     for name, shape in SHAPES.items():
@@ -118,13 +118,10 @@ def main() -> None:
     threads = torch.get_num_threads()
     peak = {1: peak_tflops(dtype, 1), threads: peak_tflops(dtype, threads)}
     print(f"\nwarm 1024^3 {args.dtype} product: " + ", ".join(f"{t} thread(s) {v} TFLOP/s" for t, v in peak.items()))
-    slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
-    out = Path(args.out or f"benchmarks/results/kernel-cost-{slug}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "dtype": args.dtype, "cold_bytes": COLD_BYTES, "ms": table,
-                               "decoder_layer_ms": per_layer, "peak_tflops_by_threads": peak},
-                              indent=2))
-    print(f"\nwrote {out} (milliseconds per call)")
+    print("\n(milliseconds per call)")
+    common.write_json(common.out_path(args.out, f"kernel-cost-{common.cpu_slug()}.json"),
+                      {"machine": info, "dtype": args.dtype, "cold_bytes": COLD_BYTES, "ms": table,
+                       "decoder_layer_ms": per_layer, "peak_tflops_by_threads": peak}, indent=2)
 
 
 if __name__ == "__main__":

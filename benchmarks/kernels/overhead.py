@@ -7,22 +7,22 @@
    on a ``chains_only`` backbone such as lossless bf16) on a fixed-length context, lower
    quartile of several runs, relative to 1 node.
 
-Usage:  python benchmarks/overhead.py [--model smollm2] [--max-new-tokens 128] [--repeats 2]
-Writes benchmarks/results/overhead.json and prints a markdown table.
+Usage:  python benchmarks/kernels/overhead.py [--model smollm2] [--max-new-tokens 128] [--repeats 2]
+Writes runs/overhead.json (or --out) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.engine import Engine, GenerationConfig
-from cadence.machine import machine_info, machine_line
 from cadence.latency import measure
 
 PROMPTS = [
@@ -83,10 +83,10 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="tree sizes to time")
     ap.add_argument("--shape", default="auto", choices=["auto", "chain", "bushy"],
                     help="probe trees: auto = what the backbone's trees are (chains where chains_only)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
+    ap.add_argument("--out", default=str(common.RUNS / "overhead.json"))
     args = ap.parse_args()
-    bb = load_backbone(args.model, args.dtype, quant=args.quant)
-    info = machine_info()
+    bb = common.backbone(args.model, args.dtype, quant=args.quant)
+    info = common.machine()
     speed = None if args.skip_generate else engine_vs_generate(bb, args.max_new_tokens, args.repeats)
     chains = None if args.shape == "auto" else args.shape == "chain"
     costs = forward_costs(bb, sizes=tuple(args.sizes), chains=chains)
@@ -97,9 +97,8 @@ def main():
               "max_new_tokens": args.max_new_tokens,
               "prompts": len(PROMPTS), "repeats": args.repeats, "engine_vs_generate": speed,
               "forward_cost_by_nodes": costs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"Machine: {machine_line(info)}; backbone {bb.dtype}, quant {args.quant}, probe trees: {shape}\n")
+    common.write_json(args.out, result, indent=2)
+    print(f"Machine: {common.machine_line(info)}; backbone {bb.dtype}, quant {args.quant}, probe trees: {shape}\n")
     if speed:
         print("| decoder | tok/s |\n|---|---|")
         print(f"| transformers generate | {speed['hf_generate_tok_s']:.2f} |")

@@ -6,7 +6,7 @@ context, as ``verify_cost.py`` times them (bf16; the two sizes alternate, warm-u
 "rest" is the forward's time outside the layer loop (embedding, final norm, LM head, Python).
 Phase boundaries read a clock (about 0.1 us each) and nothing else changes.
 
-Usage:  python benchmarks/phase_cost.py [--nodes 32] [--context 200] [--forwards 200] [--kernel auto]
+Usage:  python benchmarks/kernels/phase_cost.py [--nodes 32] [--context 200] [--forwards 200] [--kernel auto]
         [--out FILE]
 Prints a markdown table (ms per forward) and writes JSON with ``--out``.
 """
@@ -14,16 +14,15 @@ Prints a markdown table (ms per forward) and writes JSON with ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.fast.model import FastBackbone
-from cadence.machine import machine_info, machine_line
-
 from verify_cost import binary_tree
 
 
@@ -70,7 +69,7 @@ def main() -> None:
     ap.add_argument("--kernel", default="auto", help="projection kernel (fast.kernels.KINDS)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    bb = FastBackbone.from_backbone(load_backbone(args.model, torch.bfloat16, backend="transformers"),
+    bb = FastBackbone.from_backbone(common.backbone(args.model, torch.bfloat16, backend="transformers"),
                                     kernel=args.kernel)
     bb.forward(torch.tensor([[1, 2]]), None)  # builds the native loop
     if not bb._native:
@@ -82,12 +81,11 @@ def main() -> None:
     for name in one:
         print(f"| {name} | {one[name]:.3f} | {tree[name]:.3f} | {tree[name] - one[name]:+.3f} |")
     print(f"T({args.nodes})/T(1) = {tree['total'] / one['total']:.3f} ({bb.kernels})")
-    print(machine_line())
+    info = common.machine()
+    print(common.machine_line(info))
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(),
-                                              "kernel": bb.kernels, "context": args.context,
-                                              "forwards": args.forwards, "ms": res}, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        common.write_json(args.out, {"machine": info, "threads": torch.get_num_threads(), "kernel": bb.kernels,
+                                     "context": args.context, "forwards": args.forwards, "ms": res})
 
 
 if __name__ == "__main__":

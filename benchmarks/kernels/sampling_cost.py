@@ -1,4 +1,4 @@
-"""What drawing one token costs at T > 0, before and after session 22: ``sampling.probs`` with
+"""What drawing one token costs at T > 0, before and after the nucleus rewrite: ``sampling.probs`` with
 top-p through a full sort (the old rule) against ``outside_nucleus`` (top-k 128/1024 first),
 and ``torch.multinomial`` against ``sampling.categorical``'s inverse CDF, on SmolLM2's
 vocabulary (49,152) with logits from the real model's replies when ``--model`` loads,
@@ -6,27 +6,28 @@ else Gaussian logits scaled to a peaked distribution. Milliseconds per call, med
 ``--reps`` runs of ``--calls`` calls, old and new interleaved. Greedy's share: torch's
 ``argmax`` against ``sampling.argmax`` (the native kernel) for one row and for 32 rows.
 
-Usage:  python benchmarks/sampling_cost.py [--temperature 0.7] [--top-p 0.9] [--out FILE]
+Usage:  python benchmarks/kernels/sampling_cost.py [--temperature 0.7] [--top-p 0.9] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from cadence.machine import machine_info, machine_line
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.fast import native
 from cadence.sampling import SamplingParams, argmax, probs, sample
 
 
 def old_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """``probs`` as it was until session 22 (top-p by sorting the whole vocabulary)."""
+    """``probs`` as it was before ``outside_nucleus`` (top-p by sorting the whole vocabulary)."""
     logits = logits.float() / p.temperature
     if p.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -47,10 +48,9 @@ def timed(fn, calls: int) -> float:
 def model_logits(n: int) -> torch.Tensor | None:
     """(n, V) logits of the default model along a short greedy reply, or None if it cannot load."""
     try:
-        from cadence.backbone import load_backbone
         from cadence.engine import Engine, GenerationConfig
 
-        bb = load_backbone("smollm2")
+        bb = common.backbone("smollm2")
         ids = bb.encode_prompt("Write a short story about a lighthouse keeper.", chat=True)
         reply = Engine(bb).generate(ids, GenerationConfig(max_new_tokens=n)).tokens
         with torch.inference_mode():
@@ -102,14 +102,14 @@ def main() -> None:
             runs[name].append(timed(fn, args.calls))
     result = {name: statistics.median(v) for name, v in runs.items()}
     kept = statistics.median(float((d > 0).sum()) for d in dists)
-    print(machine_line())
+    info = common.machine()
+    print(common.machine_line(info))
     print(f"T {args.temperature}, top-p {args.top_p}, vocabulary {rows.shape[-1]}, median nucleus {kept:.0f} tokens")
     for name, ms in result.items():
         print(f"  {name:32s} {ms:7.3f} ms")
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine_info(), "temperature": args.temperature,
-                                              "top_p": args.top_p, "nucleus_median": kept, "ms": result},
-                                             indent=2) + "\n")
+        common.write_json(args.out, {"machine": info, "temperature": args.temperature, "top_p": args.top_p,
+                                     "nucleus_median": kept, "ms": result}, indent=2)
 
 
 if __name__ == "__main__":

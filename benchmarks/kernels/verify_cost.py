@@ -12,28 +12,27 @@
    when ``cadence.engine`` imports), interleaved per prompt, warm-up excluded, with the rate
    of outputs identical to ``generate`` in the same dtype.
 
-Usage:  python benchmarks/verify_cost.py [--model smollm2] [--context 200] [--reps 7]
+Usage:  python benchmarks/kernels/verify_cost.py [--model smollm2] [--context 200] [--reps 7]
             [--max-new-tokens 128] [--dtypes float32 bfloat16] [--skip-generate] [--shape chain]
             [--kernels auto onednn]  (more than one: the fast path with each, interleaved in one run)
-Writes benchmarks/results/verify-cost-<cpu>[-chain].json and prints markdown tables.
+Writes runs/verify-cost-<cpu>[-chain].json (or --out) and prints markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.fast.cpu import describe as cpu_features
 from cadence.fast.cpu import native_bf16
 from cadence.fast.model import FastBackbone
-from cadence.machine import cpu_model, machine_info, machine_line
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PROMPTS = [
@@ -171,19 +170,18 @@ def main():
     ap.add_argument("--shape", choices=["binary", "chain"], default="binary", help="tree shape timed")
     ap.add_argument("--kernels", nargs="+", default=["auto"],
                     help="fast-path projection kernels timed side by side (fast.kernels.KINDS), e.g. auto onednn")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="default runs/verify-cost-<cpu>[-chain].json")
     args = ap.parse_args()
     dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
-    info = machine_info()
-    cpu = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
-    out_path = Path(args.out or Path(__file__).parent / "results" / f"verify-cost-{cpu}{'-chain' if args.shape == 'chain' else ''}.json")
+    info = common.machine()
+    out_path = common.out_path(args.out, f"verify-cost-{common.cpu_slug()}{'-chain' if args.shape == 'chain' else ''}.json")
     result = {"machine": info, "cpu_features": cpu_features(), "model": args.model, "context": args.context,
               "shape": args.shape, "reps": args.reps, "max_new_tokens": args.max_new_tokens, "by_dtype": {}}
-    print(f"Machine: {machine_line(info)}; CPU features {cpu_features()}\n")
+    print(f"Machine: {common.machine_line(info)}; CPU features {cpu_features()}\n")
     for dt in dtypes:
-        hf = load_backbone(args.model, dt, backend="transformers")
-        fast = load_backbone(args.model, dt, backend="fast")
-        others = {f"fast-{k}": FastBackbone.from_backbone(load_backbone(args.model, dt, backend="transformers"),
+        hf = common.backbone(args.model, dt, backend="transformers")
+        fast = common.backbone(args.model, dt, backend="fast")
+        others = {f"fast-{k}": FastBackbone.from_backbone(common.backbone(args.model, dt, backend="transformers"),
                                                           kernel=k) for k in args.kernels[1:]}
         entry = {"fast_kernel": fast.kernel, "fast_resident_bytes": fast.resident_bytes(),
                  "curve": curve({"transformers": hf, "fast": fast, **others}, args.context, args.sizes, args.reps,
@@ -212,8 +210,7 @@ def main():
                 print(f"| {name} | {d['tokens']} | {d['tok_s']} | {d['vs_generate']}x | {d['identical']} |")
             print()
         del hf, fast, others
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
+        common.write_json(out_path, result, indent=2, quiet=True)
     print(f"wrote {out_path}")
 
 
