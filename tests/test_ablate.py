@@ -1,4 +1,4 @@
-"""The training-ablation runner (benchmarks/ablate_training.py) end to end on a tiny model."""
+"""The training-ablation runner (benchmarks/training/ablate_training.py) end to end on a tiny model."""
 
 import json
 import sys
@@ -9,7 +9,7 @@ from test_training_support import make_data, tiny_model_dir
 
 from cadence.errors import CadenceError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "training"))
 import ablate_report as R
 import ablate_training as A
 

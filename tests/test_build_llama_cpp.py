@@ -1,9 +1,9 @@
-"""benchmarks/build_llama_cpp.py derives ggml's build flags from the CPU's."""
+"""benchmarks/peers/build_llama_cpp.py derives ggml's build flags from the CPU's."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers"))
 
 from build_llama_cpp import derive_cmake_args  # noqa: E402
 

@@ -1,9 +1,9 @@
-"""benchmarks/draft_cost.py: a method's drafting time is the sum of its drafter calls."""
+"""benchmarks/e2e/draft_cost.py: a method's drafting time is the sum of its drafter calls."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "e2e"))
 
 import draft_cost  # noqa: E402
 

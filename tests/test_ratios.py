@@ -1,4 +1,4 @@
-"""benchmarks/ratios.py recomputes a run's speedups from its records, with prompts left out."""
+"""benchmarks/e2e/ratios.py recomputes a run's speedups from its records, with prompts left out."""
 
 import gzip
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "e2e"))
 
 import ratios  # noqa: E402
 

@@ -10,28 +10,29 @@ finished row's slot goes to the next prompt). Tokens/s = all tokens / wall time 
 run. Methods are interleaved per batch size, their order alternating, after an untimed
 warm-up. "identical" counts rows whose tokens equal the plain single-request output.
 
-Usage (heavy: run it through /tmp/heavy on the shared machine):
-    python benchmarks/batch_sweep.py [--batches 1 2 4 8] [--limit 16] [--max-new-tokens 96]
-        [--repeats 1] [--out benchmarks/results/batch-sweep.json]
+Usage (a long run: give it a quiet machine):
+    python benchmarks/e2e/batch_sweep.py [--batches 1 2 4 8] [--limit 16] [--max-new-tokens 96]
+        [--repeats 1] [--out runs/batch-sweep.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.batch import narrow
 from cadence.batch.engine import BatchEngine
 from cadence.engine import GenerationConfig
-from cadence.machine import machine_info, machine_line
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.sampling import SamplingParams
 
-PROMPTS = Path(__file__).parent / "prompts" / "categories.jsonl"
+PROMPTS = common.PROMPTS / "categories.jsonl"
 
 
 def pick_prompts(path: Path, limit: int) -> list[dict]:
@@ -81,9 +82,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompts", default=str(PROMPTS))
     ap.add_argument("--remeasure", action="store_true", help="measure the (batch, nodes) latency grid again")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch-sweep.json"))
+    ap.add_argument("--out", default=str(common.RUNS / "batch-sweep.json"))
     args = ap.parse_args()
-    bb = load_backbone(args.model, args.dtype, backend="fast")
+    bb = common.backbone(args.model, args.dtype, backend="fast")
     hydra = make_engine(bb, MethodSpec(method=Method.HYDRA))
     grid = narrow.load_or_measure(bb, remeasure=args.remeasure, verbose=True)
     makers = {
@@ -114,14 +115,13 @@ def main() -> None:
                       f"nodes {r['mean_nodes']:.2f}, identical {same}/{len(prompts)}", flush=True)
     summary = summarize(runs, list(makers), args.batches)
     print_tables(summary, grid, caps, list(makers), args.batches)
-    result = {"machine": machine_info(), "backend": type(bb).__name__, "dtype": str(bb.dtype),
+    result = {"machine": common.machine(), "backend": type(bb).__name__, "dtype": str(bb.dtype),
               "max_new_tokens": args.max_new_tokens, "prompts": [it["id"] for it in items],
               "latency_grid": {"batches": grid.batches, "sizes": grid.sizes, "seconds": grid.seconds,
                                "context": grid.context},
               "narrow_caps": caps, "summary": summary, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\n{machine_line(result['machine'])}; backbone {type(bb).__name__} {bb.dtype}; wrote {args.out}")
+    common.write_json(args.out, result, quiet=True)
+    print(f"\n{common.machine_line(result['machine'])}; backbone {type(bb).__name__} {bb.dtype}; wrote {args.out}")
 
 
 def summarize(runs: list[dict], methods: list[str], batches: list[int]) -> dict:

@@ -7,23 +7,24 @@ prompt with the order alternating, after a warm-up that is not timed. Per catego
 tokens/s of each method over vanilla (total tokens / total seconds), tau, and whether
 the output is byte-identical to vanilla.
 
-Usage:  python benchmarks/categories.py [--methods hydra mtp] [--max-new-tokens 128] [--repeats 1]
-        [--backend auto] [--dtype float32] [--out benchmarks/results/categories.json]
+Usage:  python benchmarks/e2e/categories.py [--methods hydra mtp] [--max-new-tokens 128] [--repeats 1]
+        [--backend auto] [--dtype float32] [--out runs/categories.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.engine import GenerationConfig
-from cadence.machine import machine_info, machine_line
 from cadence.methods import Method, MethodSpec, make_engine
 
-PROMPTS = Path(__file__).parent / "prompts" / "categories.jsonl"
+PROMPTS = common.PROMPTS / "categories.jsonl"
 
 
 def parse_method(text: str) -> MethodSpec:
@@ -50,9 +51,9 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quant", default="none", help="none | int8 | int4 (weight-only; vanilla runs the same model)")
     ap.add_argument("--prompts", default=str(PROMPTS))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "categories.json"))
+    ap.add_argument("--out", default=str(common.RUNS / "categories.json"))
     args = ap.parse_args()
-    bb = load_backbone(args.model, args.dtype, backend=args.backend, quant=args.quant)
+    bb = common.backbone(args.model, args.dtype, backend=args.backend, quant=args.quant)
     engines = {"vanilla": make_engine(bb, MethodSpec(method=Method.VANILLA))}
     for m in args.methods:
         engines[m] = make_engine(bb, parse_method(m))
@@ -78,11 +79,10 @@ def main() -> None:
               flush=True)
     table = summarize(rows, list(engines))
     print_table(table, list(engines), trees)
-    result = {"machine": machine_info(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "backend": type(bb).__name__, "quant": args.quant,
+    result = {"machine": common.machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "backend": type(bb).__name__, "quant": args.quant,
               "dtype": str(bb.dtype), "trees": trees, "table": table, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\n{machine_line(result['machine'])}; backbone {type(bb).__name__} {bb.dtype}; wrote {args.out}")
+    common.write_json(args.out, result, quiet=True)
+    print(f"\n{common.machine_line(result['machine'])}; backbone {type(bb).__name__} {bb.dtype}; wrote {args.out}")
 
 
 def summarize(rows: list[dict], methods: list[str]) -> dict:

@@ -7,29 +7,29 @@ the categories' prompts) and times, per step, the drafter's calls (``draft``, sh
 Methods are interleaved per prompt after a warm-up generation each, and each method's output
 is compared with plain decoding's (``identical``).
 
-A method may carry variant flags after a colon (session 15): ``:fp32`` drafts with float32
+A method may carry variant flags after a colon: ``:fp32`` drafts with float32
 heads on a bf16 backbone (``MethodSpec.heads_dtype``; the default, auto, drafts in bf16 there),
 ``:py`` runs the attention heads' drafter block in Python instead of C++
 (``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy:fp32:py``; ``eagle@DIR``
 takes the heads from DIR, as in ``cadence bench``.
 
-Usage:  python benchmarks/draft_cost.py [--methods hydra eagle mtp-attn] [--max-new-tokens 128]
+Usage:  python benchmarks/e2e/draft_cost.py [--methods hydra eagle mtp-attn] [--max-new-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 import cadence.engine as engine_mod
-from cadence.backbone import load_backbone
 from cadence.heads import attn_block
 from cadence.engine import GenerationConfig
-from cadence.machine import machine_info, machine_line
 from cadence.methods import Method, MethodSpec, make_engine
 
 PROMPTS = [
@@ -175,10 +175,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="", help="write the rows as JSON here")
     args = ap.parse_args()
-    bb = load_backbone(args.model, args.dtype)
+    bb = common.backbone(args.model, args.dtype)
     rows = measure(bb, args.methods, args.max_new_tokens, args.repeats)
-    info = machine_info()
-    print(f"Machine: {machine_line(info)}; backbone {bb.dtype}\n")
+    info = common.machine()
+    print(f"Machine: {common.machine_line(info)}; backbone {bb.dtype}\n")
     print("| method | tok/s | tokens/step | draft ms/step | verify ms/step | other ms/step | identical |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for m, r in rows.items():
@@ -189,10 +189,8 @@ def main() -> None:
         calls = ", ".join(f"{n} {c['ms_per_step']} ({c['calls_per_step']})" for n, c in r["drafter_calls"].items())
         print(f"- {m}: {calls or 'none'}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": info, "dtype": str(bb.dtype), "rows": rows,
-                                              "max_new_tokens": args.max_new_tokens,
-                                              "repeats": args.repeats}, indent=2) + "\n")
+        common.write_json(args.out, {"machine": info, "dtype": str(bb.dtype), "rows": rows,
+                                     "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}, indent=2)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ removes that prompt's generations for every method (so the ratios stay paired); 
 prints speedup(A) / speedup(B) too; ``--steps`` the per-step logs pooled per method: mean nodes
 verified per step, share of steps that ran the root alone, mean step time.
 
-Usage (session 21, the disturbed hydra generation of the scheduler run)::
+Usage (a scheduler run where another process disturbed one hydra generation)::
 
-    python benchmarks/ratios.py benchmarks/results/bench-smollm2-epyc-s21-sched \
+    python benchmarks/e2e/ratios.py runs/bench-sched \
         --drop sharegpt:sharegpt:ZSF9WtY_0 --ratio hydra+entmtp hydra+static
 """
 

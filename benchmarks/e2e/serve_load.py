@@ -10,8 +10,8 @@ streamed chunks (p50 / p95), and whether every response is complete and equal to
 C = 1 response of the same prompt (no request lost or corrupted). The server must exit
 cleanly on SIGTERM.
 
-Usage:  python benchmarks/serve_load.py [--methods vanilla hydra] [--clients 1 4 8]
-        [--requests 16] [--max-tokens 96] [--out benchmarks/results/serve-load.json]
+Usage:  python benchmarks/e2e/serve_load.py [--methods vanilla hydra] [--clients 1 4 8]
+        [--requests 16] [--max-tokens 96] [--out runs/serve-load.json]
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from pathlib import Path
 import httpx
 import openai
 
-from cadence.machine import machine_info, machine_line
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 
-PROMPTS = Path(__file__).parent / "prompts" / "categories.jsonl"
+PROMPTS = common.PROMPTS / "categories.jsonl"
 
 
 def free_port() -> int:
@@ -109,7 +110,7 @@ def main() -> None:
     ap.add_argument("--clients", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve-load.json"))
+    ap.add_argument("--out", default=str(common.RUNS / "serve-load.json"))
     args = ap.parse_args()
     items = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = [it["prompt"] for it in items[:args.requests]]
@@ -148,10 +149,9 @@ def main() -> None:
         print(f"| {r['method']} | {r['clients']} | {r['tok_s']} | {r['vs_one_client']}x | {r['ttft_p50']} / "
               f"{r['ttft_p95']} | {r['gap_p50'] * 1e3:.1f} / {r['gap_p95'] * 1e3:.1f} | {r['complete']}/"
               f"{args.requests} | {r['identical_to_one_client']}/{args.requests} |")
-    result = {"machine": machine_info(), "requests": args.requests, "max_tokens": args.max_tokens, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"\n{machine_line(result['machine'])}; wrote {args.out}")
+    result = {"machine": common.machine(), "requests": args.requests, "max_tokens": args.max_tokens, "rows": rows}
+    common.write_json(args.out, result, quiet=True)
+    print(f"\n{common.machine_line(result['machine'])}; wrote {args.out}")
 
 
 if __name__ == "__main__":
