@@ -1,4 +1,4 @@
-"""Where `benchmarks/categories.py` found an output that differs from vanilla: was it a near-tie?
+"""Where `benchmarks/e2e/categories.py` found an output that differs from vanilla: was it a near-tie?
 
 For every (prompt, method) row of a categories result whose tokens differed from
 vanilla's, both are generated again in the run's dtype, and at the first differing
@@ -9,7 +9,7 @@ magnitudes; fp32: about 1e-5) means the one-token and the tree forward legitimat
 rounded to different winners. A rerun can also come out identical (the divergence
 depended on state such as the cache's key blocks).
 
-Usage:  python benchmarks/category_ties.py benchmarks/results/categories-epyc-bf16-consistent.json
+Usage:  python benchmarks/analysis/category_ties.py runs/categories.json
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ import argparse
 import json
 from pathlib import Path
 
+import sys
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.engine import GenerationConfig
 from cadence.methods import Method, MethodSpec, make_engine
 
-from categories import PROMPTS, parse_method
+common.use("e2e")
+from categories import PROMPTS, parse_method  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     res = json.loads(Path(args.result).read_text())
     dtype = res["dtype"].replace("torch.", "")
-    bb = load_backbone(args.model, dtype, backend="fast" if res["backend"] == "FastBackbone" else "transformers")
+    bb = common.backbone(args.model, dtype, backend="fast" if res["backend"] == "FastBackbone" else "transformers")
     items = {it["id"]: it for it in map(json.loads, Path(args.prompts).read_text().splitlines()) if it}
     vanilla = make_engine(bb, MethodSpec(method=Method.VANILLA))
     cfg = GenerationConfig(max_new_tokens=res["max_new_tokens"])

@@ -6,7 +6,7 @@ alone and over the draft vocabulary plus the context's own tokens outside it (wh
 ``HeadDrafter(context_vocab=...)`` and ``cadence calibrate`` use), and how many targets were
 outside the draft vocabulary but already in the context.
 
-    python benchmarks/context_vocab_acceptance.py --heads src/cadence/assets/heads/smollm2/eagle runs/s9/eagle-cv/heads
+    python benchmarks/analysis/context_vocab_acceptance.py --heads src/cadence/assets/heads/smollm2/eagle runs/eagle-cv/heads
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import argparse
 import json
 from pathlib import Path
 
+import sys
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.calibrate import _val_sequences, sequence_ranks
 from cadence.heads import load_heads
-from cadence.machine import machine_line
 
 
 def measure(bb, heads, data: str, sequences: int) -> dict:
@@ -65,14 +66,14 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=60)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    bb = load_backbone(dtype="bfloat16")
-    out = {"machine": machine_line(), "data": args.data, "heads": {}}
+    bb = common.backbone(dtype="bfloat16")
+    out = {"machine": common.machine(), "data": args.data, "heads": {}}
     for d in args.heads:
         res = measure(bb, load_heads(d, bb), args.data, args.sequences)
         out["heads"][d] = res
         print(d, json.dumps(res), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        common.write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Are a dynamic tree's node values acceptance probabilities? (EAGLE-2's premise, checked here.)
 
-Generates greedily with ``--scheduler dynamic`` on held-out-style prompts (``draft_cost.PROMPTS``)
+Generates greedily with ``--scheduler dynamic`` on held-out-style prompts (``e2e/draft_cost.py``'s ``PROMPTS``)
 plus the prompts of a val shard of the self-distilled store (never trained on), and for every
 verified node records its value (the product of draft probabilities along its path, context
 copies at least ``copy_conf`` / ``copy_run_conf`` of their parent) and whether it was accepted.
@@ -9,26 +9,25 @@ copied run) the acceptance given the parent was accepted against the mean value 
 (node value / parent value). A calibrated drafter has both columns equal; the latency-cut
 tree size (``dynamic_tree.best_size``) relies on it.
 
-Usage:  python benchmarks/dynamic_calibration.py --method eagle [--heads eagle-taps] [--no-copy] [--shard data/selfdistill/smollm2/shard-00149.npz --shard-prompts 10]
+Usage:  python benchmarks/analysis/dynamic_calibration.py --method eagle [--heads eagle-taps] [--no-copy] [--shard data/selfdistill/smollm2/shard-00149.npz --shard-prompts 10]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 import cadence.dynamic_tree as dt
 import cadence.engine as engine_mod
-from cadence.backbone import load_backbone
 from cadence.engine import GenerationConfig
-from cadence.machine import machine_info, machine_line
 from cadence.methods import Method, MethodSpec, make_engine
 
-sys.path.insert(0, str(Path(__file__).parent))
+common.use("e2e")
 from draft_cost import PROMPTS  # noqa: E402
 
 
@@ -93,7 +92,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default="", help="write the tallies as JSON here")
     args = ap.parse_args()
-    bb = load_backbone(args.model, "auto")
+    bb = common.backbone(args.model, "auto")
     eng = make_engine(bb, MethodSpec(method=Method(args.method), heads=args.heads, copy=not args.no_copy,
                                            scheduler="dynamic"))
     prompts = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
@@ -126,7 +125,8 @@ def main() -> None:
     finally:
         engine_mod.Request.finish_step = real_finish
         dt.to_draft = ORIG_TO_DRAFT
-    print(f"Machine: {machine_line(machine_info())}; {args.method} ({args.heads}), copy {not args.no_copy}, {len(prompts)} prompts\n")
+    info = common.machine()
+    print(f"Machine: {common.machine_line(info)}; {args.method} ({args.heads}), copy {not args.no_copy}, {len(prompts)} prompts\n")
     print("| node value | nodes | mean value | accepted |")
     print("|---|---:|---:|---:|")
     for b in sorted(rec.bins):
@@ -137,11 +137,10 @@ def main() -> None:
     for kind, (n, a, s) in sorted(rec.kinds.items()):
         print(f"| {kind} | {n} | {a / n:.3f} | {s / n:.3f} |")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": machine_info(), "method": args.method, "heads": args.heads,
-                                              "copy": not args.no_copy, "prompts": len(prompts),
-                                              "bins": {f"{b / 10:.1f}": v for b, v in sorted(rec.bins.items())},
-                                              "kinds": dict(rec.kinds)}, indent=2) + "\n")
+        common.write_json(args.out, {"machine": info, "method": args.method, "heads": args.heads,
+                                     "copy": not args.no_copy, "prompts": len(prompts),
+                                     "bins": {f"{b / 10:.1f}": v for b, v in sorted(rec.bins.items())},
+                                     "kinds": dict(rec.kinds)}, indent=2)
 
 
 if __name__ == "__main__":

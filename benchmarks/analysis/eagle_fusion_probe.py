@@ -13,7 +13,7 @@ inputs, and reports held-out top-1 / top-5 on the store's val split (reply posit
 Layers low/mid/high are EAGLE-3's choice: 2, L/2, L-3 (L decoder layers). A small, same-budget
 comparison: it says whether fused features are worth building, not what a full run reaches.
 
-    python benchmarks/eagle_fusion_probe.py --train-tokens 250000 --epochs 2 --out benchmarks/results/eagle-fusion-probe.json
+    python benchmarks/analysis/eagle_fusion_probe.py --train-tokens 250000 --epochs 2 --out runs/eagle-fusion-probe.json
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -28,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.heads.attn_block import Block, segment_causal, shape_from_config
 from cadence.heads.base import HeadConfig
 from cadence.heads.io import attention_shape
-from cadence.machine import machine_line
 from cadence.training.batches import Corpus
 from cadence.training.losses import lr_lambda
 
@@ -159,7 +160,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
-    bb = load_backbone(dtype="bfloat16")
+    bb = common.backbone(dtype="bfloat16")
     L = bb.config.num_hidden_layers
     layers = [2, L // 2, L - 3]  # hidden_states[i] = output of layer i (1-based)
     man = json.loads((Path(args.data) / "manifest.json").read_text())
@@ -175,7 +176,7 @@ def main() -> None:
     embed = nn.Embedding.from_pretrained(bb.embed.weight.detach().float(), freeze=True)
     cfg = HeadConfig(kind="eagle", num_heads=1, hidden_size=bb.hidden_size, vocab_size=bb.vocab_size,
                      backbone=bb.name, **attention_shape(bb))
-    results = {"machine": machine_line(), "layers": layers, "args": vars(args), "variants": {}}
+    results = {"machine": common.machine(), "layers": layers, "args": vars(args), "variants": {}}
     for variant in args.variants:
         torch.manual_seed(0)
         n_feats = {"top": 1, "fused": 4, "eagle3": 3}[variant]
@@ -205,7 +206,7 @@ def main() -> None:
         print(variant, ev, flush=True)
     print(json.dumps(results["variants"], indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        common.write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,18 @@ Both trees are valued with the same model the schedulers use (``tree_policy.best
 expected tau under the table, step = verify latency of the tree's size + one head call per
 drafted level), with the shape filter of the backbone (chains only for lossless bf16).
 
-Usage:  python benchmarks/entmtp_bound.py [--method hydra] [--heads DIR] [--dtype auto] [--out FILE]
+Usage:  python benchmarks/analysis/entmtp_bound.py [--method hydra] [--heads DIR] [--dtype auto] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.latency import LatencyCurve
-from cadence.machine import machine_info, machine_line
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.profiles import load_profiles
 from cadence.sampling import SamplingParams
@@ -84,13 +84,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    bb = load_backbone(args.model, args.dtype)
+    bb = common.backbone(args.model, args.dtype)
     engine = make_engine(bb, MethodSpec(method=Method(args.method), heads=args.heads))
     policy, heads = engine.tree_policy, engine.drafter.heads
     profiles = load_profiles(getattr(heads, "source_dir", None))
     if not profiles:
         raise SystemExit("no profiles.json beside these heads: run `cadence calibrate --heads DIR` first")
-    result = {"machine": machine_info(), "dtype": str(bb.dtype), "method": args.method, "heads": args.heads,
+    result = {"machine": common.machine(), "dtype": str(bb.dtype), "method": args.method, "heads": args.heads,
               "chains_only": policy.chains_only, "draft_s": policy.draft_s,
               "latency": {"sizes": policy.latency.sizes, "seconds": policy.latency.seconds},
               "profiles": bounds_for(policy.latency, profiles, engine, policy, heads), "slopes": {}}
@@ -107,10 +107,9 @@ def main() -> None:
         result["slopes"][str(slope)] = {k: {"static_nodes": v["static_nodes"], "bound": v["bound"]} for k, v in rs.items()}
         b = [v["bound"] for v in rs.values()]
         print(f"| {slope} | {1 + 15 * slope:.2f} | {min(b):.3f} | {max(b):.3f} |")
-    print(f"\n{machine_line(result['machine'])}; {type(bb).__name__} {bb.dtype}")
+    print(f"\n{common.machine_line(result['machine'])}; {type(bb).__name__} {bb.dtype}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        common.write_json(args.out, result)
 
 
 if __name__ == "__main__":

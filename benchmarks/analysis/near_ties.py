@@ -7,7 +7,7 @@ Prints the gap between the top-2 logits and the two competing tokens. A gap near
 dtype's rounding noise (bf16: about 0.1 at these logit magnitudes; fp32: about 1e-5) means
 the two kernels (one-token vs tree forward) legitimately rounded to different winners.
 
-Usage: python benchmarks/near_ties.py runs/bench-bf16 [--dtype bfloat16]
+Usage: python benchmarks/analysis/near_ties.py runs/bench-bf16 [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import argparse
 import json
 from pathlib import Path
 
+import sys
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.bench.tasks import load_task
 
 
@@ -46,7 +48,7 @@ def main() -> None:
     dtype = args.dtype or conf.get("dtype", "auto")
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines() if line.strip()]
     vanilla = {(r["task"], r["key"], r["repeat"]): r["tokens"] for r in records if r["method"] == "vanilla"}
-    models = {d: load_backbone(conf.get("model", "smollm2"), d) for d in (dtype, "float32")}
+    models = {d: common.backbone(conf.get("model", "smollm2"), d) for d in (dtype, "float32")}
     prompts = {}
     print("| task | prompt | method | first diff | tokens (vanilla, method) | top-2 gap run dtype | top-2 gap fp32 |")
     print("|---|---|---|---|---|---|---|")

@@ -14,24 +14,24 @@ where a batched forward and one-token decoding round differently). llama.cpp get
 token ids (``llama_cpp.Llama(logits_all=True)``, its ``eval``) and is skipped when
 ``llama_cpp`` is not importable. Speed is not measured here (``cadence bench --quant``).
 
-Usage:  python benchmarks/quant_quality.py [--quants int8 int4] [--limit 4] [--max-new-tokens 128]
-            [--out benchmarks/results/quant-quality-<cpu>.json]
+Usage:  python benchmarks/analysis/quant_quality.py [--quants int8 int4] [--limit 4] [--max-new-tokens 128]
+            [--out runs/quant-quality-<cpu>.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from pathlib import Path
 
+import sys
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.bench import tasks as T
 from cadence.bench.peers import gguf_for, llama_cpp_available
-from cadence.machine import cpu_model, machine_info, machine_line
 
 TASKS = ("humaneval", "gsm8k", "sharegpt", "writing")
 
@@ -78,13 +78,13 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--limit", type=int, default=4, help="prompts per task (the bench's seeded subset)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="default runs/quant-quality-<cpu>.json")
     args = ap.parse_args()
 
-    ref = load_backbone(args.model, args.dtype, backend="fast")
+    ref = common.backbone(args.model, args.dtype, backend="fast")
     models = {f"cadence {ref.dtype} (reference)".replace("torch.", ""): ref}
     for q in args.quants:
-        models[f"cadence --quant {q}"] = load_backbone(args.model, args.dtype, backend="fast", quant=q)
+        models[f"cadence --quant {q}"] = common.backbone(args.model, args.dtype, backend="fast", quant=q)
     llm = None
     ok, why = llama_cpp_available()
     gguf = gguf_for(args.model)
@@ -124,17 +124,16 @@ def main() -> None:
         n = max(t["positions"], 1)
         rows[name] = {"positions": t["positions"], "top1_agreement": t["agree"] / n, "nll": t["nll"] / n,
                       "perplexity": math.exp(t["nll"] / n)}
-    info = machine_info()
-    print(f"\n{machine_line(info)}\n")
+    info = common.machine()
+    print(f"\n{common.machine_line(info)}\n")
     print("| model | reply positions | top-1 agreement with the reference | NLL (nats) | perplexity |")
     print("|---|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['positions']} | {r['top1_agreement']:.3f} | {r['nll']:.3f} | {r['perplexity']:.2f} |")
-    out = Path(args.out or f"benchmarks/results/quant-quality-{re.sub(r'[^a-z0-9]+', '-', cpu_model().lower()).strip('-')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "model": args.model, "tasks": args.tasks, "limit": args.limit,
-                               "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
+    print()
+    common.write_json(common.out_path(args.out, f"quant-quality-{common.cpu_slug()}.json"),
+                      {"machine": info, "model": args.model, "tasks": args.tasks, "limit": args.limit,
+                       "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,15 @@ rate against vanilla greedy and the mean share of each reply that matches vanill
 the first differing token. ``DELTA = 0`` is greedy verification, so its output must be
 identical to vanilla (checked and reported).
 
-    python benchmarks/relaxed_sweep.py                     # 8 prompts per task, 192 new tokens
-    python benchmarks/relaxed_sweep.py --deltas 0 1 2 --limit 4 --max-new-tokens 128
+    python benchmarks/analysis/relaxed_sweep.py                     # 8 prompts per task, 192 new tokens
+    python benchmarks/analysis/relaxed_sweep.py --deltas 0 1 2 --limit 4 --max-new-tokens 128
 
-Writes benchmarks/results/relaxed-sweep-<cpu>.json and .png and prints a markdown table.
+Writes runs/relaxed-sweep-<cpu>.json and .png (or --out) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -27,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from cadence.backbone import load_backbone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.bench import metrics as M
 from cadence.bench.tasks import load_task, seeded_subset
 from cadence.engine import GenerationConfig
-from cadence.machine import cpu_model, machine_info, machine_line
+from cadence.machine import cpu_model
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.verify import Rule
 
-RESULTS = Path(__file__).parent / "results"
 TASKS = ("humaneval", "gsm8k")
 
 
@@ -64,7 +63,7 @@ def agreement(tokens: list[int], ref: list[int]) -> float:
 
 def run(args) -> dict:
     torch.manual_seed(0)
-    bb = load_backbone(args.model)
+    bb = common.backbone(args.model)
     vanilla = make_engine(bb, MethodSpec(method=Method.VANILLA))
     hydra = make_engine(bb, MethodSpec(method=Method.HYDRA))
     eos = set(bb.eos_token_ids)
@@ -121,7 +120,8 @@ def run(args) -> dict:
             row[f"{name}_score"] = M.task_score(sub)
             row[f"{name}_identical"] = M.identical_rate(sub, bsub)
         rows.append(row)
-    return {"machine": machine_info(), "machine_line": machine_line(), "model": args.model,
+    info = common.machine()
+    return {"machine": info, "machine_line": common.machine_line(info), "model": args.model,
             "heads": "shipped hydra (calibrated tree, context copy)", "top_m": args.top_m,
             "deltas": list(args.deltas), "limit_per_task": args.limit, "max_new_tokens": args.max_new_tokens,
             "subset_seed": args.subset_seed, "tasks": list(TASKS), "wall_s": round(time.perf_counter() - t0, 1),
@@ -203,12 +203,11 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=8, help="prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--subset-seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output stem (default benchmarks/results/relaxed-sweep-<cpu>)")
+    p.add_argument("--out", default=None, help="output stem (default runs/relaxed-sweep-<cpu>)")
     args = p.parse_args(argv)
     res = run(args)
-    stem = Path(args.out) if args.out else RESULTS / f"relaxed-sweep-{cpu_slug(cpu_model())}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    stem = common.out_path(args.out, f"relaxed-sweep-{cpu_slug(cpu_model())}")
+    common.write_json(stem.with_suffix(".json"), res, quiet=True)
     plot(res, stem.with_suffix(".png"))
     print(table(res))
     zero = next((r for r in res["rows"] if r["delta"] == 0), None)
