@@ -328,3 +328,98 @@ def test_row_at_the_position_limit_beside_a_big_tree(fllama):
     toks, _, last, order = run(be, {0: [(long_ids, cfgs[0], sched[0]), (short, cfgs[1], sched[1])]})
     assert [toks[r] for r in order] == [refs[0].tokens, refs[1].tokens]
     assert be.cache.capacity > bb.max_positions  # the padding went past the model's positions
+
+
+# ------------------------------------------------------------------ row isolation
+
+
+def _poisoned(n: int) -> GenerationConfig:
+    """Settings that pass ``GenerationConfig``'s checks and then turn bad (a drift of inf,
+    which JSON's 1e999 once carried past them): the row fails at its first verification."""
+    cfg = GenerationConfig(max_new_tokens=n)
+    cfg.drift = float("inf")
+    return cfg
+
+
+class _Broken:
+    """A scheduler with a bug (not the request's fault): every plan raises."""
+
+    def choose(self, state):
+        raise RuntimeError("scheduler bug")
+
+    def observe(self, info):
+        pass
+
+
+def _isolation_case(bb):
+    ids = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
+    cfg = GenerationConfig(max_new_tokens=16)
+    refs = [plain(bb, i, cfg).tokens for i in ids]
+    drafter = HeadDrafter(new_heads("hydra", bb, K, random=True, seed=2), CopyConfig())
+    be = BatchEngine(bb, drafter, StaticScheduler.from_preset("tree-8", K), max_batch=4,
+                     narrow=NarrowConfig(mode="none"))
+    return ids, cfg, refs, be
+
+
+def test_a_failing_row_ends_alone_and_the_others_equal_single_requests(fllama):
+    """Among five rows, one whose settings turn bad (400) and one whose scheduler raises
+    (500) end alone with an error event; the three others, in the same steps, produce
+    their single-request tokens, and the engine ends empty."""
+    ids, cfg, refs, be = _isolation_case(fllama)
+    joins = {0: [(ids[0], cfg, None), (ids[1], _poisoned(16), None), (ids[2], cfg, None)],
+             2: [(ids[3], cfg, lambda sampling: _Broken()), (ids[4], cfg, None)]}
+    toks, _, last, order = run(be, joins)
+    bad, broken = order[1], order[3]
+    assert last[bad].finish_reason == "error" and last[bad].error_status == 400
+    assert "drift" in last[bad].error
+    assert last[broken].finish_reason == "error" and last[broken].error_status == 500
+    assert "scheduler bug" in last[broken].error
+    for k in (0, 2, 4):
+        assert toks[order[k]] == refs[k], k
+        assert last[order[k]].finish_reason == "length"
+    assert not be.has_work() and be.cache.lengths == [0] * 4
+
+
+def test_a_forward_that_fails_on_one_row_is_rerun_row_by_row(fllama, monkeypatch):
+    """The batched verify forward raises whenever it covers one row's slot (a fault of
+    the engine's, 500): that row ends alone, the others go on with their own tokens."""
+    ids, cfg, refs, be = _isolation_case(fllama)
+    real = fllama.forward_rows
+    victim = 2  # the third request added (ids count from 0)
+
+    def forward_rows(input_ids, cache, first, starts, *args, **kwargs):
+        slot = next((r.slot for r in be.rows if r.rid == victim), None)
+        if any(starts) and slot is not None and first <= slot < first + input_ids.shape[0]:
+            raise RuntimeError("kernel fault")
+        return real(input_ids, cache, first, starts, *args, **kwargs)
+
+    monkeypatch.setattr(fllama, "forward_rows", forward_rows)
+    toks, _, last, order = run(be, {0: [(i, cfg, None) for i in ids[:4]]})
+    assert order[2] == victim
+    assert last[victim].finish_reason == "error" and last[victim].error_status == 500
+    assert "kernel fault" in last[victim].error and toks[victim] == []
+    for k in (0, 1, 3):
+        assert toks[order[k]] == refs[k], k
+    assert not be.has_work()
+
+
+def test_cut_ends_a_request_as_its_budget_would(fllama):
+    """``cut`` (a deadline): the request leaves at once with finish_reason "length" and the
+    text held back so far; its tokens so far are a prefix of the single request's."""
+    bb = fllama
+    ids = bb.encode_prompt(PROMPTS[0], chat=True)
+    cfg = GenerationConfig(max_new_tokens=30)
+    ref = plain(bb, ids, cfg)
+    be = BatchEngine(bb, max_batch=2)
+    a, b = be.add(ids, cfg), be.add(ids, cfg)
+    got, text = [], ""
+    for _ in range(5):
+        for ev in be.step():
+            if ev.rid == a:
+                got += ev.tokens
+                text += ev.text
+    ev = be.cut(a)
+    assert ev.finished and ev.finish_reason == "length" and ev.tokens == []
+    assert got == ref.tokens[:len(got)] and ref.text.startswith(text + ev.text)
+    assert be.running == 1 and be.cut(a) is None
+    assert be.cut(b).finish_reason == "length" and not be.has_work()

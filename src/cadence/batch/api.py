@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cadence.engine import GenerationConfig, Stats
+from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
 
 
@@ -36,6 +37,14 @@ class Event:
     accepted_at: list[int] = field(default_factory=list)  # 1 per accepted depth: [1, 1] = depths 1 and 2
     stats: Stats | None = None  # the request's statistics, set when finished
     error: str | None = None  # finish_reason "error": what failed (this request only; the others go on)
+    error_status: int = 500  # finish_reason "error": 400 when the request's own input caused it, else 500
+
+
+def failed(rid: int, exc: BaseException, stats: Stats | None = None) -> Event:
+    """The event that ends request ``rid`` whose step raised ``exc``: status 400 for a
+    ``CadenceError`` (the request's own input, e.g. a drift of inf), else 500."""
+    return Event(rid, [], "", finished=True, finish_reason="error", stats=stats,
+                 error=f"{type(exc).__name__}: {exc}", error_status=400 if isinstance(exc, CadenceError) else 500)
 
 
 class MultiEngine(Protocol):
@@ -51,8 +60,15 @@ class MultiEngine(Protocol):
     def abort(self, rid: int) -> None:
         """Drop a request (queued or running) and free its slot now; unknown ids are ignored."""
 
+    def cut(self, rid: int) -> Event | None:
+        """End a request now as if its token budget ran out (a deadline passed): it leaves
+        the engine and its final event is returned (the text held back so far, finish_reason
+        "length"); None for an unknown id."""
+
     def step(self) -> list[Event]:
-        """Admit queued requests into free slots, advance every running one by one step."""
+        """Admit queued requests into free slots, advance every running one by one step.
+        A request that fails ends alone (finish_reason "error"); the step goes on for the
+        others, whose output is what it would have been without it."""
 
     def has_work(self) -> bool:
         """Anything queued or running."""

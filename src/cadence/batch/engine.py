@@ -24,6 +24,11 @@ a row's output is the single request's output (greedy: up to float rounding of a
 batched forward, which can only matter at an exact near-tie; sampling: the same draws
 from the same per-request generator).
 
+Rows are isolated: whatever one row's request raises (in its prefill, drafting,
+verification or commit) ends that request alone with an error event (400 for a
+``CadenceError``: its own input; else 500), and the step goes on for the others. A
+batched forward that raises is re-run one row at a time, so only the rows it fails on end.
+
 Backbones: ``cadence.fast.FastBackbone`` only (Llama / Mistral / Qwen2 / Qwen3, the
 default on CPU). Any other backbone is refused with a ``CadenceError`` that points to
 ``cadence.batch.serial.SerialEngine`` (one forward per request, any backbone); there is
@@ -32,13 +37,14 @@ no silent fallback.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from cadence.batch.api import Event
+from cadence.batch.api import Event, failed
 from cadence.batch.layout import pack
 from cadence.batch.narrow import MAX_NODES, CappedScheduler, NarrowConfig, Narrowing
 from cadence.engine import Engine, GenerationConfig, PendingStep, Request, drafter_states
@@ -46,6 +52,7 @@ from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
 
 INITIAL_CAPACITY = 256  # per-row cache entries before the first doubling
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,6 +129,16 @@ class BatchEngine:
                 self._leave(row)
                 return
 
+    def cut(self, rid: int) -> Event | None:
+        row = next((r for r in list(self.waiting) + self.rows if r.rid == rid), None)
+        if row is None:
+            return None
+        row.req.done = True
+        ev = Event(rid=rid, tokens=[], text=row.req.take_text(), finished=True, finish_reason="length",
+                   stats=row.req.stats)
+        self.abort(rid)
+        return ev
+
     def has_work(self) -> bool:
         return bool(self.rows or self.waiting)
 
@@ -135,35 +152,50 @@ class BatchEngine:
 
     @torch.inference_mode()
     def step(self) -> list[Event]:
-        self._admit()
-        events: list[Event] = []
+        """One step (see the module docstring). A row that fails (its prefill, drafting,
+        verification or commit raises, or the batched forward fails on it alone) ends with
+        an error event (``api.failed``); the others go on as if it had never run."""
+        events = self._admit()
         jobs: dict[int, PendingStep] = {}
         for row in list(self.rows):
-            self._set_cap(row)
-            job = row.req.begin_step()
-            if isinstance(job, PendingStep):
-                jobs[row.rid] = job
-            else:  # the root alone finished it: no forward for this row
-                events.append(self._event(row, job, None))
-                self._leave(row)
+            try:
+                self._set_cap(row)
+                job = row.req.begin_step()
+                if isinstance(job, PendingStep):
+                    jobs[row.rid] = job
+                    continue
+                events.append(self._event(row, job, None))  # the root alone finished it: no forward
+            except Exception as exc:  # noqa: BLE001 - this row's failure, not the step's
+                events.append(self._fail(row, exc))
+                continue
+            self._leave(row)
         if self.rows:
             events.extend(self._verify([(row, jobs[row.rid]) for row in self.rows]))
         return events
 
     # -- internals ---------------------------------------------------------------------------
-    def _admit(self) -> None:
-        """Queued requests take free slots; one prefill forward each, into its own slot."""
+    def _admit(self) -> list[Event]:
+        """Queued requests take free slots; one prefill forward each, into its own slot. A
+        prefill that fails ends its request (an error event) and frees the slot."""
+        events = []
         while self.waiting and len(self.rows) < self.max_batch:
             row = self.waiting.popleft()
             row.slot = len(self.rows)
             req = row.req
             t0 = time.perf_counter()
-            req.cache = self.cache.row(row.slot)
-            ids = torch.tensor([req.prompt_ids], device=self.backbone.device)
-            out = self.backbone.forward_rows(ids, self.cache, row.slot, [0], need_logits=False,
-                                             taps=self.engine.taps)
-            req.prefilled(out.hidden[0, -1], t0, drafter_states(out)[0])  # every prompt state: drafters with state
+            try:
+                req.cache = self.cache.row(row.slot)
+                ids = torch.tensor([req.prompt_ids], device=self.backbone.device)
+                out = self.backbone.forward_rows(ids, self.cache, row.slot, [0], need_logits=False,
+                                                 taps=self.engine.taps)
+                req.prefilled(out.hidden[0, -1], t0, drafter_states(out)[0])  # every prompt state: drafters with state
+            except Exception as exc:  # noqa: BLE001 - this request's failure
+                self.cache.lengths[row.slot] = 0
+                row.slot = -1
+                events.append(self._fail(row, exc, running=False))
+                continue
             self.rows.append(row)
+        return events
 
     def _set_cap(self, row: _Row) -> None:
         sched = row.req.scheduler
@@ -175,25 +207,56 @@ class BatchEngine:
         sched.cap = self.narrowing.cap(len(self.rows), table, self.drafter.max_depth(sampling))
 
     def _verify(self, work: list[tuple[_Row, PendingStep]]) -> list[Event]:
-        """One forward over every row's tree, then each row verifies and commits."""
+        """One forward over every row's tree, then each row verifies and commits. Should the
+        forward fail, each row is run alone, so that only the rows it fails on end."""
+        try:
+            logits, states = self._forward(work, 0)
+        except Exception:  # noqa: BLE001 - find the rows it fails on
+            log.warning("batched verify forward failed; running its %d rows one at a time", len(work),
+                        exc_info=True)
+            logits, states = None, None
+        events, ended, offset = [], [], 0
+        for b, (row, job) in enumerate(work):
+            m = job.tree.size
+            try:
+                if logits is None:
+                    row_logits, row_states = self._forward([(row, job)], row.slot)
+                    row_states = row_states[0]
+                else:
+                    row_logits, row_states = logits[offset:offset + m], states[b]
+                job.rows = len(work)
+                committed = row.req.finish_step(job, row_logits, row_states[:m])
+                events.append(self._event(row, committed, job))
+            except Exception as exc:  # noqa: BLE001 - this row's failure
+                events.append(self._fail(row, exc, leave=False))
+                ended.append(row)
+            offset += m
+        for row, _ in work:
+            if row.req.done or row in ended:
+                self._leave(row)
+        return events
+
+    def _forward(self, work: list[tuple[_Row, PendingStep]], first: int):
+        """The verify forward of ``work``'s rows (in slots ``first``..): the logits of their
+        real nodes, row after row, and the drafter states (B, n, ...)."""
         p = pack([row.req.past for row, _ in work], [job.tree for _, job in work],
                  [job.tokens for _, job in work], self.backbone.device)
-        out = self.backbone.forward_rows(p.tokens, self.cache, 0, p.starts, p.positions, p.mask,
+        out = self.backbone.forward_rows(p.tokens, self.cache, first, p.starts, p.positions, p.mask,
                                          need_logits=False, taps=self.engine.taps)
         states = drafter_states(out)  # (B, n, d) or, for a drafter reading taps, (B, n, d * (1 + taps))
         n = p.tokens.shape[1]
         real = torch.cat([torch.arange(m) + b * n for b, m in enumerate(p.sizes)]).to(out.hidden.device)
-        logits = self.backbone.logits(out.hidden.reshape(-1, out.hidden.shape[-1])[real])
-        events, offset = [], 0
-        for b, ((row, job), m) in enumerate(zip(work, p.sizes)):
-            job.rows = len(work)
-            committed = row.req.finish_step(job, logits[offset:offset + m], states[b, :m])
-            offset += m
-            events.append(self._event(row, committed, job))
-        for row, _ in work:
-            if row.req.done:
-                self._leave(row)
-        return events
+        return self.backbone.logits(out.hidden.reshape(-1, out.hidden.shape[-1])[real]), states
+
+    def _fail(self, row: _Row, exc: Exception, running: bool = True, leave: bool = True) -> Event:
+        """The error event of ``row``, whose request raised ``exc``; it leaves the batch
+        (now, or when ``leave`` is False, by the caller once the step's rows are done)."""
+        log.error("request %d failed: %s: %s", row.rid, type(exc).__name__, exc,
+                  exc_info=not isinstance(exc, CadenceError))
+        row.req.done = True
+        if running and leave:
+            self._leave(row)
+        return failed(row.rid, exc, row.req.stats)
 
     def _event(self, row: _Row, committed: list[int], job: PendingStep | None) -> Event:
         req = row.req

@@ -20,7 +20,7 @@ import itertools
 import logging
 from collections import OrderedDict
 
-from cadence.batch.api import Event
+from cadence.batch.api import Event, failed
 from cadence.engine import Engine, GenerationConfig, Request
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
@@ -57,6 +57,15 @@ class SerialEngine:
         self._queue.pop(rid, None)
         self._running.pop(rid, None)
 
+    def cut(self, rid: int) -> Event | None:
+        req = self._queue.pop(rid, None)
+        if req is None:
+            req = self._running.pop(rid, None)
+        if req is None:
+            return None
+        req.done = True
+        return Event(rid, [], req.take_text(), finished=True, finish_reason="length", stats=req.stats)
+
     def has_work(self) -> bool:
         return bool(self._queue or self._running)
 
@@ -82,14 +91,15 @@ class SerialEngine:
 
     def _advance(self, rid: int, req: Request) -> Event:
         """One step of ``req`` as an Event. A failure ends this request only
-        (finish_reason "error", the message in ``text`` is not added to the output)."""
+        (``api.failed``: finish_reason "error", 400 for a CadenceError, else 500)."""
         logged = len(req.stats.step_log)
         try:
             tokens = req.step()
-        except Exception as exc:
-            log.exception("request %d failed", rid)
-            return Event(rid, [], "", finished=True, finish_reason="error", stats=req.stats,
-                         error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - this request's failure: the others go on
+            log.error("request %d failed: %s: %s", rid, type(exc).__name__, exc,
+                      exc_info=not isinstance(exc, CadenceError))
+            req.done = True
+            return failed(rid, exc, req.stats)
         ev = Event(rid, list(tokens), req.take_text())
         if len(req.stats.step_log) > logged:  # this step ran a verify forward
             info = req.stats.step_log[-1]
