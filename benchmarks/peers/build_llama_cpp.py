@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Build llama-cpp-python from source for the CPU at hand (the `llama.cpp` peer of `cadence bench`).
 
-    python benchmarks/build_llama_cpp.py             # derive flags, build, install into .venv, check
-    python benchmarks/build_llama_cpp.py --dry-run   # only print the derived CMAKE_ARGS
+    python benchmarks/peers/build_llama_cpp.py             # derive flags, build, install into .venv, check
+    python benchmarks/peers/build_llama_cpp.py --dry-run   # only print the derived CMAKE_ARGS
 
 The x86 instruction-set options of ggml are derived from the `flags` line of /proc/cpuinfo,
 with GGML_NATIVE=OFF (a `-march=native` build died with "Illegal instruction" on one of
-these machines, see shared/NOTES.md). Every option is passed explicitly, ON or OFF, so the
+the machines measured here). Every option is passed explicitly, ON or OFF, so the
 build never depends on ggml's defaults. The package comes from PyPI as a source
 distribution (`--no-binary llama-cpp-python`); nothing else is downloaded besides its
 build and run dependencies. llama-cpp-python stays optional: no extra of cadence installs it.
@@ -26,8 +26,11 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
+
 VERSION = "0.3.36"  # the version that builds here (the only one on the index used here)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = common.ROOT
 
 # ggml CMake option -> /proc/cpuinfo flags that must all be present (ggml's
 # ggml-cpu/CMakeLists.txt turns each option into the -m flags listed in the comment).
@@ -48,9 +51,9 @@ X86_OPTIONS: list[tuple[str, tuple[str, ...]]] = [
     ("GGML_AMX_INT8", ("amx_tile", "amx_int8")),     # -mamx-int8
     ("GGML_AMX_BF16", ("amx_tile", "amx_bf16")),     # -mamx-bf16
 ]
-# ggml's AMX kernels died with SIGILL at their first `tileloadd` on the KVM Xeon of session 12
-# (amx_tile in /proc/cpuinfo, tile data granted by arch_prctl, oneDNN's AMX matmuls fine there),
-# as a GGML_NATIVE build did in session 1: AMX stays off unless --amx asks for it.
+# ggml's AMX kernels died with SIGILL at their first `tileloadd` on a KVM Xeon (amx_tile in
+# /proc/cpuinfo, tile data granted by arch_prctl, oneDNN's AMX matmuls fine there), as a
+# GGML_NATIVE build did on another machine: AMX stays off unless --amx asks for it.
 AMX_OPTIONS = {"GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"}
 
 # Not instruction sets: skip the multimodal (mtmd/llava) library, which cadence never

@@ -29,9 +29,9 @@ held-out number is measured against the backbone's argmax on the same held-out s
 
 Usage::
 
-    python benchmarks/ablate_training.py prepare          # pool + data sets + hidden cache
-    python benchmarks/ablate_training.py grid --wrap /tmp/heavy   # each cell its own process
-    python benchmarks/ablate_training.py report           # docs/ablations.md + docs/ablations/*.png
+    python benchmarks/training/ablate_training.py prepare          # pool + data sets + hidden cache
+    python benchmarks/training/ablate_training.py grid --wrap "nice -n 10"   # each cell its own process
+    python benchmarks/training/ablate_training.py report           # docs/ablations.md + docs/ablations/*.png
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class AblateConfig:
         "help": "torch threads of a cell (training, calibration, benchmark); 0 = torch's default. One "
                 "thread is far more robust when other processes share a 2-core machine"})
     wrap: str = field(default="", metadata={
-        "help": "command prefix of each cell process, e.g. /tmp/heavy (a machine-wide lock)"})
+        "help": "command prefix of each cell process, e.g. 'nice -n 10' or a machine-wide lock"})
     in_process: bool = field(default=False, metadata={"help": "run cells in this process (tests)"})
     workers: int = field(default=1, metadata={
         "help": "cell processes started at once; each still takes --wrap's lock for itself, so with 2 the "

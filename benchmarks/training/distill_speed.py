@@ -4,18 +4,20 @@ fast path (`cadence distill --backend transformers | fast`), same prompts, greed
 Each setting is ``backend:batch`` (``hf:64``, ``fast:32``); the first one is the reference
 for the identical-reply count. Warm-up (a few tokens) is not timed.
 
-Usage:  python benchmarks/distill_speed.py [--prompts 64] [--max-new-tokens 128]
-                                            [--settings hf:64 fast:16 fast:32 fast:64] [--dtype bfloat16]
+Usage:  python benchmarks/training/distill_speed.py [--prompts 64] [--max-new-tokens 128]
+                                                     [--settings hf:64 fast:16 fast:32 fast:64] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 import time
 
-from cadence.backbone import load_backbone
-from cadence.machine import machine_line
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
+import common  # noqa: E402
 from cadence.training.data import DistillConfig, batched_replies, generate_batch
 from cadence.training.sources import mixed_items
 
@@ -47,7 +49,7 @@ def main() -> None:
     ref = None
     for setting in args.settings:
         kind, _, batch = setting.partition(":")
-        bb = load_backbone("smollm2", args.dtype, backend="transformers" if kind == "hf" else "fast")
+        bb = common.backbone("smollm2", args.dtype, backend="transformers" if kind == "hf" else "fast")
         prompts = [p for p in (bb.encode_prompt(it.prompt, chat=True) for it in items) if len(p) <= 256]
         out, seconds = run(kind, int(batch), prompts[:args.prompts], bb, args.max_new_tokens)
         ref = ref or out
@@ -55,7 +57,7 @@ def main() -> None:
         same = sum(a == b for a, b in zip(ref, out))
         print(f"{setting}: {n} reply tokens in {seconds:.1f} s = {n / seconds:.1f} tok/s; "
               f"replies identical to {args.settings[0]}: {same}/{len(out)}", flush=True)
-    print(machine_line())
+    print(common.machine_line())
 
 
 if __name__ == "__main__":
