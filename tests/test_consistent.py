@@ -194,7 +194,7 @@ def test_bf16_branching_tree_nodes_get_plain_decodings_bits(listed, monkeypatch)
     """Every node of a branching tree gets the logits a one-token forward gives it after its
     path was committed token by token; then decoding on from the compacted cache does too.
     With PyTorch's attention over the tree's own layout (ancestors at scattered slots) SmolLM2
-    differed in 19 of 140 branch nodes, by up to 0.59 (``benchmarks/consistency.py --tree``)."""
+    differed in 19 of 140 branch nodes, by up to 0.59 (``benchmarks/kernels/consistency.py --tree``)."""
     monkeypatch.setenv("CADENCE_LISTED", listed)
     from cadence.fast.model import FastBackbone
     from cadence.scorer import score

@@ -112,7 +112,7 @@ def test_native_loop_over_quantized_projections_gives_the_python_loops_bits(quan
 
 @needs_native
 def test_phase_clock_sums_each_phase_only_while_on_and_changes_no_bits():
-    """``Layers.phase_times`` (``benchmarks/phase_cost.py``): nothing summed while off; while
+    """``Layers.phase_times`` (``benchmarks/kernels/phase_cost.py``): nothing summed while off; while
     on, every one of the 9 phases gets time and the phases add up to at most the forward's
     wall time; a forward with the clock on gives the same bits as with it off."""
     import time

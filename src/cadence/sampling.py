@@ -38,7 +38,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)``: each row's first maximum (NaN counts as the maximum). On CPU,
     where the native extension is loaded, through its one-pass kernel: torch's CPU argmax
     took 0.125 ms for one 49,152-logit row and 1.1 ms for a 32-node tree's, the kernel 0.022
-    and 0.113 (``benchmarks/sampling_cost.py``, AMX Xeon, 2026-12-03, 6b59e7b); elsewhere torch's."""
+    and 0.113 (``benchmarks/kernels/sampling_cost.py``, AMX Xeon, 2026-12-03, 6b59e7b); elsewhere torch's."""
     from cadence.fast import native
 
     ops = native.loaded()

@@ -6,7 +6,7 @@ main thread has one (loading a model makes it) and a worker thread makes another
 manages more threads than there are CPUs and stops spinning between regions: every region
 then waits for its threads to wake. On 2 cores, small bf16 GEMMs on the server's worker
 kept 1.2 of 2 cores busy (``tests/test_threads.py``) and `cadence serve` decoded plain at
-25 tok/s against 46 in process (``benchmarks/serve_load.py``, ``batch_sweep.py``).
+25 tok/s against 46 in process (``benchmarks/e2e/serve_load.py``, ``batch_sweep.py``).
 Releasing the main thread's pool (``omp_pause_resource_all``, OpenMP 5.0) before the
 worker starts restores it (2.0 cores). The main thread can still start regions later; it
 just makes a new pool.

@@ -10,7 +10,7 @@ Each peer has ``generate(prompt_ids, GenerationConfig) -> Generation`` like ``En
   be imported, or a test decode in a child process dies (a build with instructions this
   CPU cannot run: SIGILL would kill the whole benchmark), the peer is skipped and the report
   says so, with the build command
-  (``python benchmarks/build_llama_cpp.py``, which derives the CPU flags). It is fed the
+  (``python benchmarks/peers/build_llama_cpp.py``, which derives the CPU flags). It is fed the
   harness's token ids, i.e. the prompt through the HF tokenizer's chat template exactly as
   cadence's methods get it, and never re-tokenizes text: llama.cpp's own tokenizer splits
   some prompts differently (whitespace before digits in 3 of 45 HumanEval/GSM8K/writing
@@ -128,7 +128,7 @@ def llama_cpp_available() -> tuple[bool, str]:
     except Exception as exc:  # ImportError, or a broken native library
         return False, (f"llama.cpp skipped: the llama_cpp package is not importable ({type(exc).__name__}: "
                        f"{exc}); it is optional: build it for this CPU with "
-                       "`python benchmarks/build_llama_cpp.py` (see benchmarks/README.md)")
+                       "`python benchmarks/peers/build_llama_cpp.py` (see benchmarks/README.md)")
     return True, ""
 
 
@@ -141,7 +141,7 @@ _PROBE = ("import sys, llama_cpp\n"
 def llama_cpp_decodes(gguf: Path, timeout: float = 120.0, code: str = _PROBE) -> tuple[bool, str]:
     """Whether llama.cpp decodes ``gguf`` in a child process (a few seconds): a native crash
     there costs the benchmark one peer, not the whole run."""
-    fix = "; rebuild it for this CPU with `python benchmarks/build_llama_cpp.py`"
+    fix = "; rebuild it for this CPU with `python benchmarks/peers/build_llama_cpp.py`"
     try:
         r = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -75,7 +75,7 @@ def timing_notes(records: list[dict]) -> list[str]:
     """A note per generation that ran much slower per step than its method usually does."""
     return [f"timing: the steps of {g['method']} on {g['task']}:{g['key']} took {g['ratio']:.1f}x as long as "
             "that method's usually do (something else on the CPU?); recompute without that prompt: "
-            f"python benchmarks/ratios.py OUT --drop {g['task']}:{g['key']}" for g in M.slow_generations(records)]
+            f"python benchmarks/e2e/ratios.py OUT --drop {g['task']}:{g['key']}" for g in M.slow_generations(records)]
 
 
 def write_all(out: Path, cfg: dict, records: list[dict], methods, labels: list[str], task_info: dict,

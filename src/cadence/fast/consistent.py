@@ -6,7 +6,7 @@ every accepted node the logits plain decoding's one-token forward gives it. In f
 two differ by about 1e-5 (a greedy divergence is then a near-tie); in bf16 they differed
 by up to 0.5 logits on the Zen 5 EPYC, so bf16 speculation was not lossless there, though
 a bf16 verify over 8 nodes costs only 1.04 one-token forwards. Three kernels take a
-different path for small or ragged shapes (``benchmarks/consistency.py`` finds them):
+different path for small or ragged shapes (``benchmarks/kernels/consistency.py`` finds them):
 
 1. oneDNN GEMMs at M = 1 row against M >= 2 (the down projection, K = 1536), and on an
    AMX Xeon at M <= 32 against M >= 33 (rows scattered through the call); the tile GEMM
@@ -39,7 +39,7 @@ decoding gives it (``PathAttention``): one attention call per path and layer (ab
 per extra path for SmolLM2 on the EPYC), so backbones in that mode grow chains only
 (``Backbone.chains_only``).
 
-Measured with the shipped SmolLM2 in bf16, 2 threads (``benchmarks/consistency.py``: root
+Measured with the shipped SmolLM2 in bf16, 2 threads (``benchmarks/kernels/consistency.py``: root
 logits of a 1-token forward against trees of 2-33 nodes on random contexts of 50-400
 tokens): 82 of 100 differed (up to 0.50) without the padding; 2 of 100 with keys rounded
 per forward; 0 with keys sized from the context. Every node of a branching 9-node tree
@@ -254,7 +254,7 @@ class PathAttention:
     In a branching tree, node i's ancestors sit at scattered cache slots (the tree's nodes
     are written in node order after the ``past`` committed entries); the masked gaps move
     the real keys to other lanes of the attention kernel's reductions, and bf16 logits then
-    differ from plain decoding by up to 0.6 (``benchmarks/consistency.py --tree``). Here
+    differ from plain decoding by up to 0.6 (``benchmarks/kernels/consistency.py --tree``). Here
     each path of ``tree_paths`` is copied to slots [past, past + len(path)) in turn and its
     rows attend there, over ``keys_for`` keys, as a chain would; the tree's own entries are
     written back in node order afterwards (compaction reads them there). Costs one small

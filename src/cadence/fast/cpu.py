@@ -3,7 +3,7 @@
 Knows: the instruction-set flags that decide kernels and precision (AVX2, AVX-512,
 AVX512-BF16, AMX), and whether oneDNN (mkldnn) is built into this torch.
 Does not know: how fast anything is; the choices made from these flags are measured in
-``benchmarks/verify_cost.py``. Nothing here is hard-coded per machine.
+``benchmarks/kernels/verify_cost.py``. Nothing here is hard-coded per machine.
 
 The CPU's flags say what the hardware has; what the kernels may use can be narrowed with
 the libraries' own switches, ``ATEN_CPU_CAPABILITY=avx2`` (torch's vectorised kernels),

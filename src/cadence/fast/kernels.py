@@ -12,7 +12,7 @@ Knows: the ways to compute ``x @ W.T + b`` here and when each applies.
   (``native/gemm_amx.cpp``) on weights in its layout (``amx_pack``). It streams the weights
   once with less per-call overhead than oneDNN (AMX Xeon, 2 threads, SmolLM2's qkv/o/
   gate_up/down at 1 row: 25/16/91/40 us against oneDNN's 42/30/127/58; 32 rows cost both
-  about the same extra, ``benchmarks/gemm_cost.py``), and a row's bits do not depend on the other rows, so
+  about the same extra, ``benchmarks/kernels/gemm_cost.py``), and a row's bits do not depend on the other rows, so
   row-consistent forwards need no padding or row blocks for it. ``auto`` picks it on bf16
   AMX CPUs where the extension builds.
 - ``int8``: weight-only int8 (``--quant int8``, lossy against the unquantized model):
@@ -26,9 +26,9 @@ Knows: the ways to compute ``x @ W.T + b`` here and when each applies.
   minimum (``quantize_int4``), ``torch.ops.aten._weight_int4pack_mm_for_cpu``. A quarter of
   bf16's bytes; its rows do not depend on the other rows either (tested). Needs out % 16 == 0
   and in % INT4_GROUP == 0; a matrix that does not fit falls back to ``int8``. Where it wins
-  depends on the CPU: ``benchmarks/verify_cost.py --quant int4`` measures it.
+  depends on the CPU: ``benchmarks/kernels/verify_cost.py --quant int4`` measures it.
 Does not know: which weights are fused (``model`` decides) or how long anything takes on a
-machine it has not run on; ``benchmarks/verify_cost.py`` measures that.
+machine it has not run on; ``benchmarks/kernels/verify_cost.py`` measures that.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class FastBackbone(RowsForward, Backbone):
             head_kind = self.kernel  # packed: the int4 layers release their dense copies anyway
         # int4 leaves the LM head unquantized, as 4-bit GGUF files keep the embedding / output at
         # 8 bits or more (the default model's Q4_1 file: token_embd Q8_0): a 4-bit head cost 7
-        # points of top-1 agreement with the unquantized model (``benchmarks/quant_quality.py``),
+        # points of top-1 agreement with the unquantized model (``benchmarks/analysis/quant_quality.py``),
         # and torch's int8 kernel took 3.0 ms against bf16's 1.6 ms for 4 rows on a Zen 5 EPYC
         self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
         self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``

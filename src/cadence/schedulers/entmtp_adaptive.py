@@ -14,7 +14,7 @@ drafts miss in every bin (a translation) keeps paying for them, and its smoothed
 (W = 8) answers a change of text several tokens late. Here the per-request factors catch
 the first, and the signal may follow the current root (this project's choice where the
 shipped profiles show acceptance falling by half from the lowest to the highest entropy
-bin; measured against ``entmtp`` and ``adaptive`` in ``benchmarks/categories.py``).
+bin; measured against ``entmtp`` and ``adaptive`` in ``benchmarks/e2e/categories.py``).
 
 Example: edges [0.5, 1.5]; root entropy 0.2 -> bin 0, whose frontier holds a 9-node tree
 the table favours; entropy 2.0 -> bin 2, whose best may be a 1-draft chain or the root.

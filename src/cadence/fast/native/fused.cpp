@@ -12,7 +12,7 @@
 // Rows run 16 lanes at a time (bf16 <-> fp32 by AVX512-BF16 where the CPU has it, the same
 // bits as the integer rounding) and, past 8 rows, split across threads: a verify forward's
 // 32 rows cost these kernels 40 us a layer on the AMX Xeon, the scalar single-threaded
-// code 72 (``benchmarks/fused_cost.py``).
+// code 72 (``benchmarks/kernels/fused_cost.py``).
 //
 // Knows: float32 and bfloat16 rows whose last dimension is contiguous.
 
@@ -34,7 +34,7 @@ constexpr int LANES = vec::LANES;  // partial sums of a row, added in a fixed or
 // Rows of at most this many are done on the calling thread: below it a parallel region
 // costs more than it saves. 32-node forwards with all rows on one thread ran about 1.4 ms
 // slower than with this split (ad hoc A/B on the AMX Xeon, 2026-12-03, 4084f81; the kernels' own
-// times: ``benchmarks/fused_cost.py``).
+// times: ``benchmarks/kernels/fused_cost.py``).
 constexpr int64_t kRowGrain = 8;
 
 using namespace fm;  // round_to, put, exp_fused, silu16 (fused_math.h)

@@ -1,7 +1,7 @@
 // y = x W^T (+ b) for bf16 activations of a few rows on AMX tiles, the weights streamed once.
 //
 // Why not oneDNN: on the AMX Xeon (2 threads, SmolLM2's projections, weights cycled through
-// 30 copies as a forward meets them; ``benchmarks/gemm_cost.py``, 2026-12-03, 365b11d) oneDNN's
+// 30 copies as a forward meets them; ``benchmarks/kernels/gemm_cost.py``, 2026-12-03, 365b11d) oneDNN's
 // prepacked bf16 product cost 42/30/127/58 us for 1 row of qkv/o/gate_up/down and 1.45 ms
 // for the LM head; this kernel 25/16/91/40 us and 1.19 ms. At 32 rows both pay about the
 // same extra (the tile arithmetic is not hidden behind the weight stream in either: 42 us
@@ -104,7 +104,7 @@ void store_block(const Problem& p, const float* c, int64_t nb, int64_t m0, int64
 
 // The weights PREFETCH_STEPS steps (2 KiB each) ahead into L2: the tile loads wait for their
 // data in order, and the hardware prefetcher alone left the 32-row products unoverlapped with
-// the stream (``benchmarks/verify_cost.py``, 2026-12-03, 40de4f5). A prefetch past the end is harmless.
+// the stream (``benchmarks/kernels/verify_cost.py``, 2026-12-03, 40de4f5). A prefetch past the end is harmless.
 constexpr int64_t PREFETCH_STEPS = 4;
 inline void prefetch_ahead(const bf16* w) {
   const char* at = reinterpret_cast<const char*>(w + PREFETCH_STEPS * 1024);

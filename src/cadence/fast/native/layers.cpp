@@ -82,7 +82,7 @@ at::Tensor swiglu(const at::Tensor& gu) {
 }
 
 // Wall time per phase of the layer loop, summed over layers and forwards, when switched on
-// (``Layers.phase_times``; ``benchmarks/phase_cost.py``): where a verify forward's extra
+// (``Layers.phase_times``; ``benchmarks/kernels/phase_cost.py``): where a verify forward's extra
 // time over a one-token forward goes. Off, it costs one branch per phase.
 struct PhaseClock {
   static constexpr int N = 9;
