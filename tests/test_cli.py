@@ -197,6 +197,23 @@ def test_error_heads_of_another_kind_or_missing(capsys, model_dir, loaded, tmp_p
                   "no hydra heads are shipped for tiny-model")
 
 
+
+def test_mtp_attn_ships_no_heads_but_trained_ones_run(capsys, model_dir, loaded, tmp_path, monkeypatch):
+    """No mtp-attn set ships for SmolLM2 (the tiny model stands in for it here): --method
+    mtp-attn without --heads is one error line saying how to train a set; heads passed by
+    --heads run."""
+    import cadence.methods as M
+
+    monkeypatch.setitem(M.SHIPPED_FOR, loaded.name, "smollm2")
+    assert (M.SHIPPED_HEADS / "smollm2" / "eagle" / "config.json").is_file()  # the real folder
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "mtp-attn"),
+                  "no mtp-attn heads are shipped for tiny-model: train a set with `cadence train --kind mtp-attn")
+    save_heads(new_heads("mtp-attn", loaded, 2, random=True), tmp_path / "h")
+    rc, out, err = run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "mtp-attn", "--heads",
+                       tmp_path / "h", "--max-new-tokens", 6, "--json")
+    assert rc == 0, err
+    assert json_lines(out)[0]["new_tokens"] == 6
+
 def test_error_bad_tree_dtype_and_length(capsys, model_dir):
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", "random",
                        "--tree", "tree-5"), "unknown tree 'tree-5'")

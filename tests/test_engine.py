@@ -296,8 +296,7 @@ def test_shipped_heads_are_lossless_and_accept_drafts(kind, default_backbone):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,heads", [("eagle", "default"), ("eagle", "eagle-taps"),
-                                        ("mtp-attn", "default")])
+@pytest.mark.parametrize("kind,heads", [("eagle", "default"), ("eagle", "eagle-taps")])
 def test_shipped_attention_heads_are_lossless(kind, heads, default_backbone):
     """The attention-bearing sets shipped for the default model (by name for the variants):
     greedy output identical to vanilla with the default (dynamic) scheduler, with and without
@@ -305,3 +304,13 @@ def test_shipped_attention_heads_are_lossless(kind, heads, default_backbone):
     from cadence.methods import Method, MethodSpec
     specs = [MethodSpec(method=Method(kind), heads=heads, copy=copy) for copy in (True, False)]
     assert _shipped_tau(default_backbone, specs) > 1.5
+
+
+@pytest.mark.slow
+def test_no_mtp_attn_heads_ship_for_the_default_model(default_backbone):
+    """mtp-attn trains (``cadence train --kind mtp-attn``) but no set ships: the default
+    model's --method mtp-attn without --heads says how to get one."""
+    from cadence.errors import CadenceError
+    from cadence.methods import Method, MethodSpec, make_engine
+    with pytest.raises(CadenceError, match="no mtp-attn heads are shipped .*cadence train --kind mtp-attn"):
+        make_engine(default_backbone, MethodSpec(method=Method.MTP_ATTN))

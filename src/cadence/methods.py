@@ -126,8 +126,10 @@ def resolve_heads(backbone, spec: MethodSpec):
     if spec.heads == "default":
         path = shipped_heads_dir(backbone, spec.method.value)
         if path is None:
-            raise CadenceError(f"no {spec.method.value} heads are shipped for {backbone.name}; "
-                               "pass --heads DIR (trained with `cadence train`) or --heads random")
+            kind = spec.method.value
+            raise CadenceError(f"no {kind} heads are shipped for {backbone.name}: train a set with "
+                               f"`cadence train --kind {kind} --data DIR --out OUT` and pass --heads OUT/heads "
+                               "(or --heads random)")
     else:
         path = heads_path(backbone, spec.heads)
     heads = load_heads(path, backbone, dtype=dtype)
