@@ -32,6 +32,7 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -74,8 +75,14 @@ class GenerationConfig:
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise CadenceError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        # every number finite and in range now, not mid-step (where VerifyContext checks them too)
+        if isinstance(self.drift, bool) or not isinstance(self.drift, (int, float)) \
+                or not (math.isfinite(self.drift) and self.drift >= 0):
+            raise CadenceError(f"drift must be a finite number >= 0, got {self.drift!r}")
+        if isinstance(self.top_m, bool) or not isinstance(self.top_m, int) or self.top_m < 1:
+            raise CadenceError(f"top_m must be an integer >= 1, got {self.top_m!r}")
         self.rule = Rule(self.rule)
-        self.rule.check(self.sampling)  # also validates temperature / top_p / top_k
+        self.rule.check(self.sampling)  # also validates temperature (finite) / top_p / top_k
 
     @property
     def sampling(self) -> SamplingParams:

@@ -13,17 +13,24 @@ import torch
 from cadence.errors import CadenceError
 
 
+MIN_TEMPERATURE = 1e-5  # below it decoding is greedy (as vLLM's _SAMPLING_EPS): logits / T would overflow
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a token is drawn from logits."""
+    """How a token is drawn from logits. A temperature below ``MIN_TEMPERATURE`` is read as
+    0 (greedy): ``logits / 1e-39`` is infinite and its softmax NaN, and already at 1e-5 a
+    logit gap of 0.001 weighs exp(-100), so the draw is the argmax but for exact ties."""
 
-    temperature: float = 0.0  # 0 = greedy (argmax)
+    temperature: float = 0.0  # 0 = greedy (argmax); below MIN_TEMPERATURE: 0
     top_p: float = 1.0  # nucleus mass kept (1 = off)
     top_k: int = 0  # keep the k most likely tokens (0 = off)
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # also catches NaN
-            raise CadenceError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also catches NaN
+            raise CadenceError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise CadenceError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
