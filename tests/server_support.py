@@ -4,7 +4,6 @@ tiny random model, engines that step slowly, and the fixtures built on them."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
@@ -17,7 +16,7 @@ from cadence.batch.serial import SerialEngine
 from cadence.engine import Engine, GenerationConfig
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.server.app import AppSettings, create_app
-from cadence.server.runner import make_server
+from cadence.server.runner import listen, make_server
 
 MODEL = "tiny"
 N = 10  # new tokens per request
@@ -67,10 +66,11 @@ class Spec24:
 
 
 @contextlib.contextmanager
-def serve(engine, multi, shutdown_timeout: float = 5.0, max_queue: int = 8, spec=SPEC, wrap=None):
-    app = create_app(engine, multi, AppSettings(MODEL, max_queue, DEFAULTS, spec))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+def serve(engine, multi, shutdown_timeout: float = 5.0, max_queue: int = 8, spec=SPEC, wrap=None, **settings):
+    """A live server on a free loopback port, its socket made as ``cadence serve`` makes it
+    (``runner.listen``); ``settings``: more ``AppSettings`` fields."""
+    app = create_app(engine, multi, AppSettings(MODEL, max_queue, DEFAULTS, spec, **settings))
+    sock = listen("127.0.0.1", 0)
     server = make_server(wrap(app) if wrap else app, "127.0.0.1", sock.getsockname()[1], shutdown_timeout,
                          log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

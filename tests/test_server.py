@@ -202,7 +202,24 @@ BAD = [  # (path, raw body, status, param)
     ("c", '{"model": "tiny", "prompt": "hi", "top_p": 0}', 400, "top_p"),
     ("c", '{"model": "tiny", "prompt": "hi", "n": 2}', 400, "n"),
     ("c", '{"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}', 400, "stop"),
-    ("c", '{"model": "tiny", "prompt": "hi", "seed": -1}', 400, "seed"),
+    ("c", '{"model": "tiny", "prompt": "hi", "seed": 1.5}', 400, "seed"),
+    ("c", '{"model": "tiny", "prompt": "hi", "temperature": 1e999}', 400, "temperature"),
+    ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"drift": 1e999}}', 400, "cadence.drift"),
+    ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"drift": NaN}}', 400, "cadence.drift"),
+    ("c", '{"model": "tiny", "prompt": "\\ud800"}', 400, "prompt"),
+    ("c", '{"model": "tiny", "prompt": ["a\\udfff"]}', 400, "prompt"),
+    ("c", '{"model": "tiny", "prompt": "hi", "stop": "\\ud800"}', 400, "stop"),
+    ("c", '{"model": "tiny", "prompt": "hi", "stop": "%s"}' % ("x" * 257), 400, "stop"),
+    ("c", '{"model": "tiny", "prompt": "hi", "repetition_penalty": 1.1}', 400, "repetition_penalty"),
+    ("c", '{"model": "tiny", "prompt": "hi", "min_p": 0.1, "foo": 1}', 400, "min_p"),
+    ("c", '{"model": "tiny", "prompt": "hi", "max_tokens": 2, "max_completion_tokens": 3}', 400, None),
+    ("c", '{"model": "tiny", "prompt": "hi", "store": true}', 400, "store"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages.0.content"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "bob"}]}', 400,
+     "messages.0.name"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "hi", "foo": 1}]}', 400, "messages.0.foo"),
+    ("m", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"x": 1}, '
+          '"stream": true}', 400, "stream_options.x"),
     ("c", '{"model": "nope", "prompt": "hi"}', 404, "model"),
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"scheduler": "nope"}}', 400, "cadence.scheduler"),
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"tree": "nope"}}', 400, "cadence.tree"),
@@ -256,6 +273,7 @@ def test_every_bad_input_is_a_4xx_and_the_server_goes_on(srv, engine):
         for method, url, status in (("GET", "/v1/nothing", 404), ("DELETE", "/v1/models", 405)):
             r = h.request(method, url)
             assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert status != 405 or r.headers["allow"] == "GET"
         assert not failures, failures
         assert h.get("/health").status_code == 200
         r = h.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": N, "temperature": 0})

@@ -2,11 +2,19 @@
 
 Knows: the routes (``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``), streaming as server-sent events,
-turning every failure into OpenAI's error shape (400 bad input, 404 unknown model or
-route, 429 over the limits, 503 shutting down, 500 engine failure), noticing clients
+turning every failure into OpenAI's error shape (400 bad input, 401 a missing or wrong
+API key, 404 unknown model or route, 405 with ``Allow``, 413 a body over the limit, 429
+over the limits, 503 shutting down or engine gone, 500 engine failure), noticing clients
 that leave, and the app's life span (the worker thread starts with the app and stops
 with it). Does not know how the engine is built (``cadence.server.command``) or how a
 request becomes engine settings (``cadence.server.options``).
+
+The event loop only routes: prompts are tokenized on a thread of their own (a 1 MiB
+prompt takes about a second to tokenize; ``/health`` and every stream go on meanwhile),
+detokenized by the engine worker, and a body over ``max_body_bytes`` is refused with a
+413 from its ``Content-Length`` before any of it is read (a body sent in chunks: as soon
+as it crosses the limit). The API key (``Authorization: Bearer KEY``) is checked before
+that, in constant time.
 
 ``create_app`` takes an already-built ``Engine`` (its backbone tokenizes, its drafter
 and tree policy serve per-request scheduler options) and the ``MultiEngine`` that runs
@@ -16,7 +24,9 @@ requests on it (``SerialEngine`` or ``BatchEngine``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import logging
 from dataclasses import dataclass, field
 
@@ -38,19 +48,31 @@ log = logging.getLogger(__name__)
 GONE = object()  # put into a request's queue when its client disconnected
 
 
+OPEN_PATHS = ("/health", "/metrics")  # open without the API key unless AppSettings.public_health is off
+
+
 @dataclass
 class AppSettings:
-    """What the app needs besides the engines."""
+    """What the app needs besides the engines (``ServeConfig`` holds the flags' help)."""
 
     model_name: str  # the id clients send as ``model``
     max_queue: int = 32  # requests waiting beyond the engine's max_batch; more get 429
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(temperature=1.0))
     spec: MethodSpec | None = None  # how the engine was built (per-request scheduler / tree)
+    api_key: str = ""  # clients send ``Authorization: Bearer <api_key>``; empty: no key
+    public_health: bool = True  # /health and /metrics answer without the key
+    max_body_bytes: int = 1 << 20  # a larger request body is a 413 (0: no limit)
+    max_tokens_limit: int = 0  # at most this many new tokens per request (0: the context's room)
+    request_timeout: float = 0.0  # seconds a request may take before it ends as "length" (0: none)
+    stream_buffer: int = 64  # events waiting for a stream's reader before it counts as stalled
+    stall_timeout: float = 30.0  # seconds a stalled stream keeps its slot before it is dropped
+    lenient: bool = False  # unknown request fields are ignored (logged) instead of refused
 
 
 def create_app(engine: Engine, multi: MultiEngine, settings: AppSettings) -> FastAPI:
     metrics = Metrics(settings.model_name)
-    worker = Worker(multi, metrics, settings.max_queue)
+    worker = Worker(multi, metrics, settings.max_queue, request_timeout=settings.request_timeout,
+                    stream_buffer=settings.stream_buffer, stall_timeout=settings.stall_timeout)
     service = Service(engine, worker, metrics, settings)
 
     @contextlib.asynccontextmanager
@@ -60,9 +82,11 @@ def create_app(engine: Engine, multi: MultiEngine, settings: AppSettings) -> Fas
             yield
         finally:  # requests still in flight get a 503 / an error event, then the thread ends
             await asyncio.to_thread(worker.stop)
+            service.tokenizer.shutdown(wait=False)
 
     app = FastAPI(title="cadence", lifespan=lifespan)
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, multi
+    app.add_middleware(Guard, settings=settings, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -71,7 +95,9 @@ def create_app(engine: Engine, multi: MultiEngine, settings: AppSettings) -> Fas
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return service.error(request, P.ApiError(exc.status_code, str(exc.detail), kind))
+        code = "request_too_large" if exc.status_code == 413 else None
+        return service.error(request, P.ApiError(exc.status_code, str(exc.detail), kind, code=code),
+                             headers=getattr(exc, "headers", None))  # 405: Allow
 
     @app.exception_handler(P.ApiError)
     async def _api(request: Request, exc: P.ApiError):
@@ -103,6 +129,8 @@ def create_app(engine: Engine, multi: MultiEngine, settings: AppSettings) -> Fas
     async def health(request: Request):
         if worker.closing:
             raise P.ApiError(503, "shutting down", "server_error")
+        if not worker.alive:
+            raise P.ApiError(503, "the engine worker thread is not running", "server_error")
         return service.answer(request, {"status": "ok", "running": multi.running, "queued": multi.queued})
 
     @app.get("/metrics")
@@ -111,6 +139,82 @@ def create_app(engine: Engine, multi: MultiEngine, settings: AppSettings) -> Fas
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app
+
+
+class Guard:
+    """ASGI middleware in front of the routes: the API key, then the body limit.
+
+    A request without the key (``Authorization: Bearer <key>``, compared in constant time)
+    gets OpenAI's 401 (``code: "invalid_api_key"``) before its body is read; ``/health``
+    and ``/metrics`` stay open while ``public_health``. A ``Content-Length`` over
+    ``max_body_bytes`` gets a 413 at once; a body without one (chunked) is counted as it
+    comes and refused with a 413 once it crosses the limit."""
+
+    def __init__(self, app, settings: AppSettings, metrics: Metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+        self.key = settings.api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if self.key and not (self.settings.public_health and path in OPEN_PATHS):
+            error = self._auth(scope)
+            if error is not None:
+                return await self._refuse(scope, receive, send, error)
+        limit = self.settings.max_body_bytes
+        if limit:
+            length = _header(scope, b"content-length")
+            if length is not None:
+                if not length.strip().isdigit():
+                    return await self._refuse(scope, receive, send, P.ApiError(400, "bad Content-Length header"))
+                if int(length) > limit:
+                    return await self._refuse(scope, receive, send, _too_large(int(length), limit))
+            receive = _counted(receive, limit)
+        return await self.app(scope, receive, send)
+
+    def _auth(self, scope) -> P.ApiError | None:
+        got = _header(scope, b"authorization")
+        if got is None:
+            return P.ApiError(401, "You didn't provide an API key. Send it as a Bearer token: "
+                                   "Authorization: Bearer YOUR_KEY", code="invalid_api_key")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+            return P.ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return None
+
+    async def _refuse(self, scope, receive, send, error: P.ApiError) -> None:
+        self.metrics.answer(scope.get("path", ""), error.status)
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        if error.status == 413:
+            headers = {"Connection": "close"}  # the unread body stays behind: the connection ends
+        await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+
+
+def _header(scope, name: bytes) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == name), None)
+
+
+def _too_large(size: int, limit: int) -> P.ApiError:
+    what = f"{size} bytes" if size >= 0 else "more bytes"
+    return P.ApiError(413, f"the request body is {what}; this server takes at most {limit} "
+                           "(--max-body-bytes)", code="request_too_large")
+
+
+def _counted(receive, limit: int):
+    """``receive`` that raises a 413 once the request's body passes ``limit`` bytes."""
+    seen = 0
+
+    async def wrapped():
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise StarletteHTTPException(413, _too_large(-1, limit).message)
+        return message
+
+    return wrapped
 
 
 UNION_TAGS = ("str", "list[str]", "list[int]", "list[TextPart]", "dict[any,any]")  # pydantic's branch names
@@ -149,11 +253,16 @@ class Service:
         self.engine, self.worker, self.metrics, self.settings = engine, worker, metrics, settings
         self.schedulers = Schedulers(engine, settings.spec)
         self.created = P.now()
+        # one thread: tokenizations run off the event loop, one at a time (a tokenizer is not
+        # safe to call from several threads at once)
+        self.tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cadence-tokenize")
 
-    def error(self, request: Request, exc: P.ApiError) -> JSONResponse:
+    def error(self, request: Request, exc: P.ApiError, headers: dict | None = None) -> JSONResponse:
         self.metrics.answer(request.url.path, exc.status)
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        headers = dict(headers or {})
+        if exc.status == 429:
+            headers["Retry-After"] = "1"
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
     def answer(self, request: Request, body: dict) -> JSONResponse:
         self.metrics.answer(request.url.path, 200)
@@ -167,11 +276,27 @@ class Service:
             raise P.ApiError(404, f"the model {name!r} does not exist; this server serves "
                                   f"{self.settings.model_name!r}", "not_found_error", "model", "model_not_found")
 
+    def check_fields(self, body) -> None:
+        """Unknown fields: a 400 naming them, or (``lenient``) a log line."""
+        unknown = P.unknown_fields(body)
+        if not unknown:
+            return
+        names = ", ".join(unknown)
+        if self.settings.lenient:
+            log.warning("ignored unknown request fields: %s", names)
+            return
+        raise P.ApiError(400, f"unknown field{'s' if len(unknown) > 1 else ''}: {names} (not a parameter "
+                              "this server knows; it refuses rather than ignores them: start it with "
+                              "--lenient to ignore unknown fields)", param=unknown[0], code="unknown_parameter")
+
     async def complete(self, body, request: Request, chat: bool):
         self.check_model(body.model)
+        self.check_fields(body)
         bb = self.engine.backbone
-        ids = encode(bb, body)
-        cfg = generation_config(body, self.settings.defaults, len(ids), bb.max_positions)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self.tokenizer, encode, bb, body)
+        cfg = generation_config(body, self.settings.defaults, len(ids), bb.max_positions,
+                                self.settings.max_tokens_limit)
         scheduler = self.schedulers.factory(body.cadence)
         try:
             stream = await self.worker.submit(ids, cfg, scheduler)
@@ -183,9 +308,9 @@ class Service:
             raise P.ApiError(400, str(exc)) from exc
         rid, created = P.new_id(chat), P.now()
         if body.stream:
-            self.metrics.answer(request.url.path, 200)
             watch = self._watch(request, stream)  # now: the generator may never start
-            return StreamingResponse(self._events(stream, watch, rid, created, chat, body.include_usage),
+            return StreamingResponse(self._events(stream, watch, request.url.path, rid, created, chat,
+                                                  body.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(stream, request, rid, created, chat)
 
@@ -195,14 +320,14 @@ class Service:
         watch = self._watch(request, stream)
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if item is GONE:
                     self.metrics.answer(request.url.path, 499)
                     return Response(status_code=499)
                 if isinstance(item, Failure):
                     raise P.ApiError(item.status, item.message, item.type)
                 if item.finish_reason == "error":
-                    raise P.ApiError(500, f"the request failed: {item.error}", "server_error")
+                    raise _failed(item)
                 texts.append(item.text)
                 n += len(item.tokens)
                 if item.finished:
@@ -233,23 +358,27 @@ class Service:
 
         return asyncio.get_running_loop().create_task(watch(), name="cadence-disconnect-watch")
 
-    async def _events(self, stream: Stream, watch: asyncio.Task, rid: str, created: int, chat: bool,
+    async def _events(self, stream: Stream, watch: asyncio.Task, path: str, rid: str, created: int, chat: bool,
                       include_usage: bool):
         """Server-sent events: a role chunk (chat), text chunks, a finish chunk, the usage
         chunk when asked for, ``[DONE]``. A failure after the start becomes an error event
         (OpenAI clients raise it). ``watch`` (``_watch``) aborts the request when the client
-        leaves, whether or not this generator ever runs."""
-        model, n = self.settings.model_name, 0
+        leaves, whether or not this generator ever runs. The stream is counted in the
+        metrics when it ends: 200 once ``[DONE]`` is sent, the error's status, or 499 for
+        a client that left."""
+        model, n, status = self.settings.model_name, 0, 499
         try:
             if chat:
                 yield P.sse(P.chunk(rid, model, chat, created, role=True))
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if item is GONE:  # the client left: nothing more to send
                     return
                 if isinstance(item, Failure) or item.finish_reason == "error":
-                    msg = item.message if isinstance(item, Failure) else f"the request failed: {item.error}"
-                    yield P.sse(P.error_body(msg, "server_error", code=str(getattr(item, "status", 500))))
+                    err = P.ApiError(item.status, item.message, item.type) if isinstance(item, Failure) \
+                        else _failed(item)
+                    status = err.status
+                    yield P.sse(P.error_body(err.message, err.type, code=str(err.status)))
                     break
                 n += len(item.tokens)
                 if item.text:
@@ -260,9 +389,18 @@ class Service:
                         yield P.sse(P.chunk(rid, model, chat, created, use=P.usage(stream.prompt_tokens, n)))
                     break
             yield P.sse("[DONE]")
+            status = 200 if status == 499 else status
         finally:  # also on cancellation (client disconnect) and generator close
             watch.cancel()
             self.worker.cancel(stream)
+            self.metrics.answer(path, status)
+
+
+def _failed(ev: Event) -> P.ApiError:
+    """The error of a request that ended with finish_reason "error" (``api.failed``)."""
+    if ev.error_status == 400:
+        return P.ApiError(400, f"the request failed on its input: {ev.error}")
+    return P.ApiError(ev.error_status, f"the request failed: {ev.error}", "server_error")
 
 
 def _stats(ev: Event) -> dict:

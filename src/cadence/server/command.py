@@ -93,7 +93,11 @@ def build(args: argparse.Namespace):
     engine = make_engine(backbone, spec)
     multi = multi_engine(engine, conf.batching, conf.max_batch, narrow)
     settings = AppSettings(model_name=conf.served_model_name or backbone.name, max_queue=conf.max_queue,
-                           defaults=defaults, spec=spec if spec.method.value != "vanilla" else None)
+                           defaults=defaults, spec=spec if spec.method.value != "vanilla" else None,
+                           api_key=conf.api_key, public_health=conf.public_health,
+                           max_body_bytes=conf.max_body_bytes, max_tokens_limit=conf.max_tokens_limit,
+                           request_timeout=conf.request_timeout, stream_buffer=conf.stream_buffer,
+                           stall_timeout=conf.stall_timeout, lenient=conf.lenient)
     return create_app(engine, multi, settings), conf
 
 
@@ -112,5 +116,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"cadence: serving {app.state.metrics.model} ({type(app.state.engine).__name__}, "
           f"max batch {app.state.engine.max_batch}, queue {conf.max_queue}) on http://{conf.host}:{port}",
           flush=True)
+    if not conf.api_key and conf.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"cadence: warning: listening on {conf.host} without --api-key: anyone who can reach the port "
+              "can use this server", file=sys.stderr, flush=True)
     make_server(app, conf.host, port, conf.shutdown_timeout, conf.log_level).run(sockets=[sock])
     return 0

@@ -1,7 +1,9 @@
 """Settings of ``cadence serve``; its CLI flags derive from these fields.
 
-Knows: where to listen, the limits (requests decoding at once, requests waiting), how
-the multi-request engine is chosen, how long shutdown waits, and the batched engine's
+Knows: where to listen, the API key, the limits (requests decoding at once, requests
+waiting, body size, tokens per request, a request's time, a stalled reader's time),
+whether unknown request fields are refused, how the multi-request engine is chosen,
+how long shutdown waits, and the batched engine's
 narrowing settings as ``--narrow-*`` flags (``NarrowFlags``: the fields, defaults and
 help of ``cadence.batch.narrow.NarrowConfig``, prefixed). Does not know the model or
 the decoding method (``MethodSpec``) or per-request defaults (``GenerationConfig``).
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -18,6 +21,7 @@ from cadence.batch.narrow import NarrowConfig
 from cadence.errors import CadenceError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+API_KEY_ENV = "CADENCE_API_KEY"  # the API key when --api-key is not given
 
 
 class Batching(str, Enum):
@@ -44,6 +48,28 @@ class ServeConfig:
     shutdown_timeout: float = field(default=30.0, metadata={
         "help": "seconds shutdown waits for requests in flight to finish before cancelling them"})
     log_level: str = field(default="info", metadata={"help": "uvicorn log level: critical | error | warning | info | debug"})
+    api_key: str = field(default="", metadata={
+        "help": "clients must send 'Authorization: Bearer KEY' (else 401); default: the environment "
+                f"variable {API_KEY_ENV}, else no key (anyone who reaches the port may use it)"})
+    public_health: bool = field(default=True, metadata={
+        "help": "GET /health and /metrics answer without the API key (probes, Prometheus); "
+                "--no-public-health requires it there too"})
+    max_body_bytes: int = field(default=1 << 20, metadata={
+        "help": "largest request body in bytes; a larger one is refused with 413 before it is read "
+                "(0 = no limit)"})
+    max_tokens_limit: int = field(default=0, metadata={
+        "help": "most new tokens one request may ask for (larger max_tokens: 400); also caps the "
+                "default budget (0 = what the context leaves after the prompt)"})
+    request_timeout: float = field(default=0.0, metadata={
+        "help": "seconds after which a request still decoding (or waiting) ends as if its budget ran "
+                "out: finish_reason 'length', the text so far (0 = no deadline)"})
+    stream_buffer: int = field(default=64, metadata={
+        "help": "events a stream's reader may fall behind before it counts as stalled"})
+    stall_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a stalled stream (a client that stopped reading) keeps its slot before it is dropped"})
+    lenient: bool = field(default=False, metadata={
+        "help": "ignore (and log) unknown request fields instead of refusing them with 400 "
+                "(for clients that send vendor extensions)"})
 
     def __post_init__(self):
         self.batching = Batching(self.batching)
@@ -55,8 +81,17 @@ class ServeConfig:
             raise CadenceError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.log_level not in LOG_LEVELS:
             raise CadenceError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.shutdown_timeout < 0:
-            raise CadenceError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        for name in ("shutdown_timeout", "request_timeout", "stall_timeout"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise CadenceError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
+        for name in ("max_body_bytes", "max_tokens_limit"):
+            if getattr(self, name) < 0:
+                raise CadenceError(f"--{name.replace('_', '-')} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        if self.stream_buffer < 1:
+            raise CadenceError(f"--stream-buffer must be >= 1, got {self.stream_buffer}")
+        if not self.api_key:
+            self.api_key = os.environ.get(API_KEY_ENV, "")
 
 
 class NarrowMode(str, Enum):

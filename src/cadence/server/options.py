@@ -14,6 +14,7 @@ tokens with ``max_tokens`` 100 on a 512-position model -> param ``max_tokens``, 
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from collections import OrderedDict
 
@@ -45,7 +46,13 @@ def encode(backbone, body: CompletionRequest | ChatCompletionRequest) -> list[in
     if isinstance(body, ChatCompletionRequest):
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad("this model has no chat template; use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        names = template_reads_names(tok.chat_template)
+        for i, m in enumerate(body.messages):
+            if m.name is not None and not names:
+                raise bad("this model's chat template has no place for a participant's name; leave "
+                          "name out (or put it into the content)", f"messages.{i}.name")
+        messages = [{"role": m.role, "content": m.text} | ({"name": m.name} if m.name is not None else {})
+                    for m in body.messages]
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:
@@ -63,29 +70,46 @@ def encode(backbone, body: CompletionRequest | ChatCompletionRequest) -> list[in
         raise bad(str(exc), "prompt") from exc
 
 
-def generation_config(body, defaults: GenerationConfig, prompt_len: int, limit: int) -> GenerationConfig:
+def template_reads_names(template) -> bool:
+    """Whether a chat template reads a message's ``name`` (``message['name']``, ``m.name``...)."""
+    return isinstance(template, str) and re.search(r"""(\.name\b|\[\s*['"]name['"]\s*\])""", template) is not None
+
+
+def generation_config(body, defaults: GenerationConfig, prompt_len: int, limit: int,
+                      max_tokens_limit: int = 0) -> GenerationConfig:
     """The request's settings over the server's ``defaults``. ``limit``: the model's
-    positions. Without ``max_tokens`` the budget is the server's, cut to what fits."""
+    positions; ``max_tokens_limit``: the server's cap on a request's budget (0: none).
+    Without ``max_tokens`` the budget is the server's, cut to what fits and to the cap.
+    ``seed``: any integer, folded into 0 .. 2**63 - 1 (-1 -> 2**63 - 1)."""
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     room = limit - prompt_len
     if room < 1:
         raise bad(f"the prompt is {prompt_len} tokens; this model's context is {limit} positions, "
                   "so no token fits after it", param, "context_length_exceeded")
+    name = body.budget_param
+    if max_tokens_limit and body.max_tokens is not None and body.max_tokens > max_tokens_limit:
+        raise bad(f"{name} is {body.max_tokens}, but this server generates at most {max_tokens_limit} "
+                  "tokens per request", name)
     if body.max_tokens is not None and body.max_tokens > room:
-        raise bad(f"max_tokens is {body.max_tokens}, but at most {room} new tokens fit after this prompt "
-                  f"of {prompt_len} tokens (context {limit})", "max_tokens", "context_length_exceeded")
+        raise bad(f"{name} is {body.max_tokens}, but at most {room} new tokens fit after this prompt "
+                  f"of {prompt_len} tokens (context {limit})", name, "context_length_exceeded")
+    budget = min(defaults.max_new_tokens, room, max_tokens_limit or room)
     opts = body.cadence or CadenceOptions()
     pick = lambda v, d: d if v is None else v
     stop = body.stop_strings
+    seed = secrets.randbelow(2 ** 63) if body.seed is None else body.seed % 2 ** 63
     try:
         return GenerationConfig(
-            max_new_tokens=body.max_tokens if body.max_tokens is not None else min(defaults.max_new_tokens, room),
+            max_new_tokens=body.max_tokens if body.max_tokens is not None else budget,
             temperature=pick(body.temperature, defaults.temperature), top_p=pick(body.top_p, defaults.top_p),
-            top_k=pick(body.top_k, defaults.top_k), seed=pick(body.seed, secrets.randbelow(2 ** 63)),
+            top_k=pick(body.top_k, defaults.top_k), seed=seed,
             stop=defaults.stop if stop is None else stop, rule=pick(opts.rule, defaults.rule),
             drift=pick(opts.drift, defaults.drift), top_m=pick(opts.top_m, defaults.top_m))
     except CadenceError as exc:
-        raise bad(str(exc), "cadence.rule" if "rule" in str(exc) else None) from exc
+        msg = str(exc)
+        field = next((f for f in ("rule", "drift", "top_m") if msg.startswith(f) or f"--{f.replace('_', '-')}" in msg),
+                     None)
+        raise bad(msg, f"cadence.{field}" if field else None) from exc
 
 
 class Schedulers:

@@ -6,12 +6,16 @@ models, strict types: ``"max_tokens": "5"`` is an error, not 5), the extra body 
 chunks (server-sent events) and the error shape ``{"error": {"message", "type",
 "param", "code"}}``. Does not know engines, tokenizers or HTTP routing.
 
-Unknown fields are ignored (clients send ``user`` and the like); known ones that cadence
-cannot honour (``n`` > 1, ``logprobs`` / ``top_logprobs``, ``echo``, ``suffix``,
-``best_of`` > 1, penalties, ``logit_bias``, tools / functions / a ``tool_choice`` that
-asks for a call, a ``response_format`` other than text) are refused with a 400 rather
-than silently dropped; their empty or neutral values (``logit_bias: {}``,
-``logprobs: false``, ``tool_choice: "none"``) are accepted.
+Unknown fields are refused with a 400 that names them (``unknown_fields``; the server's
+``--lenient`` ignores and logs them instead, for clients that send vendor extensions);
+known ones that cadence cannot honour (``n`` > 1, ``logprobs`` / ``top_logprobs``,
+``echo``, ``suffix``, ``best_of`` > 1, penalties, ``logit_bias``, tools / functions / a
+``tool_choice`` that asks for a call, a ``response_format`` other than text, ``store``)
+are refused with a 400 rather than silently dropped; their empty or neutral values
+(``logit_bias: {}``, ``logprobs: false``, ``tool_choice: "none"``) are accepted, and so
+are fields that change nothing here (``user``, ``metadata``, ``parallel_tool_calls``).
+Every number must be finite (JSON's ``1e999`` reads as infinity: a 400), every text
+valid Unicode (a lone surrogate such as ``"\\ud800"``: a 400), ``seed`` any integer.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cadence.verify import Rule
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 256  # characters per stop string (the detokenizer holds back up to this much text)
 
 
 class ApiError(Exception):
@@ -45,7 +50,33 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """Strict types, finite numbers; unknown fields are kept aside (``model_extra``) for
+    ``unknown_fields`` to refuse or, on a lenient server, to ignore."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields ``model`` (and the models inside it) did not declare.
+    Example: a chat body with ``min_p`` and a message with ``foo`` -> ["min_p", "messages.0.foo"]."""
+    out = [prefix + k for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                out += unknown_fields(item, f"{prefix}{name}." + ("" if i is None else f"{i}."))
+    return out
+
+
+def unicode_text(v: str, what: str) -> str:
+    """``v`` if it is valid Unicode (encodes to UTF-8); a lone surrogate is refused."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text: {exc.reason} at character {exc.start} "
+                         f"({v[exc.start]!r})") from None
+    return v
 
 
 class CadenceOptions(_Strict):
@@ -53,7 +84,7 @@ class CadenceOptions(_Strict):
     the server's configuration. Example: ``{"scheduler": "static", "tree": "chain-2",
     "rule": "greedy"}``."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     scheduler: str | None = Field(None, description="a name from cadence.schedulers.registry, or auto")
     tree: str | None = Field(None, description="--tree: auto, auto-N or a preset (root, chain-D, tree-N)")
@@ -76,19 +107,30 @@ class _Sampling(_Strict):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name of max_tokens")
+    temperature: float | None = Field(None, ge=0, le=2, description="below sampling.MIN_TEMPERATURE: greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    seed: int | None = Field(None, description="any integer (folded into 0 .. 2**63 - 1)")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1, le=1, description="one choice per request")
     presence_penalty: float | None = Field(0.0, ge=0, le=0, description="not supported: 0 only")
     frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="not supported: 0 only")
     user: str | None = None
+    metadata: dict | None = Field(None, description="accepted, unused (it tags stored completions)")
+    store: bool | None = Field(None, description="not supported: false only")
+    parallel_tool_calls: bool | None = Field(None, description="accepted: tools are refused anyway")
     logit_bias: dict | None = Field(None, description="not supported: empty only")
     cadence: CadenceOptions | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, v):
+        if v:
+            raise ValueError("store is not supported (this server keeps no completions)")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -102,6 +144,10 @@ class _Sampling(_Strict):
     def _stop(cls, v):
         if isinstance(v, list) and len(v) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop strings")
+        for s in [v] if isinstance(v, str) else v or ():
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {len(s)}")
+            unicode_text(s, "a stop string")
         return v
 
     @model_validator(mode="after")
@@ -109,6 +155,20 @@ class _Sampling(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
         return self
+
+    @model_validator(mode="after")
+    def _budget(self):
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; send one")
+        if a is None:
+            self.max_tokens = b
+        return self
+
+    @property
+    def budget_param(self) -> str:
+        """The name the client gave the token budget (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def stop_strings(self) -> tuple[str, ...] | None:
@@ -141,10 +201,10 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list) and v and isinstance(v[0], str):
             if len(v) != 1:
                 raise ValueError("one prompt per request (a list of one string, a string, or token ids)")
-            return v[0]
+            v = v[0]
         if isinstance(v, list) and not v:
             raise ValueError("empty prompt")
-        return v
+        return unicode_text(v, "the prompt") if isinstance(v, str) else v
 
     @field_validator("echo")
     @classmethod
@@ -158,11 +218,21 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _unicode(cls, v):
+        return unicode_text(v, "the text")
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = None
+    name: str | None = Field(None, description="passed to chat templates that read it, else refused")
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, v):
+        return unicode_text(v, "the content") if isinstance(v, str) else v
 
     @property
     def text(self) -> str:
@@ -171,7 +241,6 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = Field(False, description="not supported")
     top_logprobs: int | None = Field(None, ge=0, le=0, description="not supported: 0 only")
     tools: list | None = None
@@ -213,12 +282,6 @@ class ChatCompletionRequest(_Sampling):
         if v is not None and v != {"type": "text"}:
             raise ValueError('only {"type": "text"} is supported')
         return v
-
-    @model_validator(mode="after")
-    def _max_tokens(self):
-        if self.max_tokens is None:
-            self.max_tokens = self.max_completion_tokens
-        return self
 
 
 # ------------------------------------------------------------------ responses

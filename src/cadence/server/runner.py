@@ -42,9 +42,15 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout
 
 def listen(host: str, port: int) -> socket.socket:
     """A bound socket for ``host:port`` (port 0: any free one), so that a port in use is a
-    CadenceError (exit 2) before the model is loaded, and the real port is known."""
+    CadenceError (exit 2) before the model is loaded, and the real port is known.
+
+    Made with protocol ``IPPROTO_TCP``, not 0: asyncio sets TCP_NODELAY only on accepted
+    sockets whose ``proto`` says TCP, and accepted sockets inherit it from this one.
+    Without it an answer on a reused connection can wait for Nagle's algorithm and the
+    peer's delayed ACK: tens of milliseconds a request (``tests/test_server_hardening.py``
+    times a reused connection)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -14,7 +14,17 @@ so the slot is free for the next step), ``fail`` (every request left gets a
 it, so a client that leaves while its request is being admitted still frees the slot.
 
 What a request's queue receives: ``Event``s (the last one ``finished``), or one
-``Failure`` (engine error, shutdown) after which nothing more comes.
+``Failure`` (engine error, shutdown, a stalled reader) after which nothing more comes.
+
+Limits kept here, between engine steps:
+- ``request_timeout``: a request still in the engine that many seconds after it was
+  submitted ends as if its token budget ran out (``MultiEngine.cut``: finish_reason
+  "length", the text so far); queued requests too (then with no text).
+- ``stream_buffer`` / ``stall_timeout``: a request whose handler has not taken
+  ``stream_buffer`` of its events (a streaming client that stopped reading: the socket's
+  buffers are full) counts as stalled; stalled for ``stall_timeout`` seconds, it is
+  dropped (its slot freed, a ``Failure`` queued last), so a reader that never reads
+  holds neither a slot nor an ever-growing queue.
 """
 
 from __future__ import annotations
@@ -62,19 +72,35 @@ class Stream:
     closed: bool = False  # the handler saw the end (or gave up)
     t0: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    sent: int = 0  # items the worker put (worker thread)
+    taken: int = 0  # items the handler took (event loop)
+    stalled_since: float | None = None  # worker thread: when the reader fell stream_buffer behind
 
     def put(self, item: Event | Failure) -> None:
         """From the worker thread."""
+        self.sent += 1
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (process exiting)
             pass
 
+    async def get(self):
+        """The next item (from the handler)."""
+        item = await self.queue.get()
+        self.taken += 1
+        return item
+
+    @property
+    def pending(self) -> int:
+        return self.sent - self.taken
+
 
 class Worker:
-    def __init__(self, engine: MultiEngine, metrics: Metrics, max_queue: int):
+    def __init__(self, engine: MultiEngine, metrics: Metrics, max_queue: int, request_timeout: float = 0.0,
+                 stream_buffer: int = 64, stall_timeout: float = 30.0):
         self.engine, self.metrics = engine, metrics
         self.limit = engine.max_batch + max_queue  # requests in flight at most
+        self.request_timeout, self.stream_buffer, self.stall_timeout = request_timeout, stream_buffer, stall_timeout
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}  # rid -> stream; worker thread only
         self._lock = threading.Lock()  # guards _inflight and closing
@@ -91,6 +117,11 @@ class Worker:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (it ends only with ``stop``, or by a bug)."""
+        return self._thread.is_alive()
 
     async def submit(self, prompt_ids: list[int], cfg, scheduler=None) -> Stream:
         """Queue a request; its Stream. Raises Overloaded, ShuttingDown or the engine's
@@ -152,6 +183,7 @@ class Worker:
             try:
                 if not self._commands(block=not self.engine.has_work()):
                     return
+                self._deadlines()
                 if self.engine.has_work():
                     self._step()
             except Exception:
@@ -189,10 +221,8 @@ class Worker:
         fut.set_result(stream.rid)
 
     def _abort(self, stream: Stream) -> None:
-        if stream.rid is not None and self._streams.pop(stream.rid, None) is not None:
-            self.engine.abort(stream.rid)
-            self._release()
-            self.metrics.finished("abort")
+        if stream.rid is not None and stream.rid in self._streams:
+            self._abort_stream(stream.rid, stream)
 
     def _step(self) -> None:
         try:
@@ -217,6 +247,38 @@ class Worker:
                 self.metrics.e2e.labels(self.metrics.model).observe(now - stream.t0)
             stream.put(ev)
         self.metrics.queues(self.engine.running, self.engine.queued)
+
+    def _deadlines(self) -> None:
+        """End the requests past ``request_timeout`` ("length") and drop stalled readers."""
+        now = time.perf_counter()
+        for rid, stream in list(self._streams.items()):
+            if self.request_timeout and now - stream.t0 > self.request_timeout:
+                ev = self.engine.cut(rid)
+                del self._streams[rid]
+                self._release()
+                self.metrics.finished("length")
+                if ev is not None:
+                    stream.put(ev)
+                else:  # the engine had no such request: end the stream all the same
+                    stream.put(Event(rid, [], "", finished=True, finish_reason="length"))
+                log.info("request %d ran past --request-timeout (%.1f s): ended as length", rid,
+                         self.request_timeout)
+            elif stream.pending < self.stream_buffer:
+                stream.stalled_since = None
+            elif stream.stalled_since is None:
+                stream.stalled_since = now
+            elif now - stream.stalled_since > self.stall_timeout:
+                log.warning("request %d: its reader took nothing for %.1f s (%d events waiting): dropped",
+                            rid, now - stream.stalled_since, stream.pending)
+                self._abort_stream(rid, stream)
+                stream.put(Failure(503, f"the client stopped reading for over {self.stall_timeout:g} s; "
+                                        "the request was dropped"))
+
+    def _abort_stream(self, rid: int, stream: Stream) -> None:
+        self._streams.pop(rid, None)
+        self.engine.abort(rid)
+        self._release()
+        self.metrics.finished("abort")
 
     def _fail_all(self, failure: Failure) -> None:
         for rid, stream in list(self._streams.items()):
