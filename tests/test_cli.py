@@ -130,7 +130,10 @@ def test_error_corrupt_gguf(capsys, tmp_path, monkeypatch):
     f = tmp_path / "broken.gguf"
     f.write_bytes(b"GGUF\x03\x00\x00\x00 definitely not a model")
     _assert_error(*run(capsys, "--model", f, "--prompt", "hi"), "could not read GGUF")
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    from cadence.system import cache as disk_cache
+
+    assert disk_cache.entries(("models",)) == []  # no half-written conversion left behind
+    assert not any(p.name.count(".tmp") for p in (tmp_path / "cache").rglob("*"))
 
 
 @pytest.mark.parametrize("prompt", ["", "   ", "\n\t"])

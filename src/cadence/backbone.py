@@ -13,6 +13,8 @@ import hashlib
 import importlib.util
 import inspect
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,8 @@ import torch
 from torch import nn
 
 from cadence.errors import CadenceError
+from cadence.system import cache as disk_cache
+from cadence.system import locks
 from cadence.kv_cache import HFCache, check_supported
 
 DEFAULT_MODEL = "smollm2"
@@ -28,8 +32,8 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    """Where converted models live: ``$CADENCE_CACHE`` or ``~/.cache/cadence``."""
-    return Path(os.environ.get("CADENCE_CACHE", Path.home() / ".cache" / "cadence"))
+    """cadence's cache: ``$CADENCE_CACHE`` or ``~/.cache/cadence`` (layout: ``cadence.system.cache``)."""
+    return disk_cache.root()
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -83,7 +87,8 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def _gguf_cache_dir(gguf: Path) -> Path:
+def _legacy_cache_dir(gguf: Path) -> Path:
+    """Where older installs cached a conversion: keyed by the GGUF's path and mtime."""
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     return cache_root() / f"{gguf.stem}-{key}"
@@ -92,12 +97,33 @@ def _gguf_cache_dir(gguf: Path) -> Path:
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF once into a safetensors HF directory; return that directory.
 
-    The directory is written under a temporary name and renamed, so an interrupted
-    conversion never leaves a half-written cache behind.
+    The directory is named by a digest of the GGUF's bytes (``cadence.system.cache``), so two
+    paths to one file share one copy; it is written under a temporary name and renamed, under
+    a lock that dies with its holder, so an interrupted conversion never leaves a half-written
+    cache behind and two processes never convert the same file at once. Weights stay float32:
+    the dequantized Q4 values are not all representable in bf16, and the fp32 path needs them
+    exact (bf16 loads round them the same way from fp32 as from any other copy).
     """
-    out = _gguf_cache_dir(gguf)
+    out = disk_cache.model_entry(gguf)
     if (out / "config.json").is_file():
         return out
+    with locks.exclusive(out.with_name(out.name + ".lock"), what=f"converting {gguf.name}",
+                         timeout_s=600) as held:
+        if not held:
+            raise CadenceError(f"another process is still converting {gguf.name} after 600 s; try again later")
+        for dead in disk_cache.sweep_dead_temps(out.parent):
+            print(f"cadence: removed {dead.name}, left by a conversion that was killed", file=sys.stderr)
+        if (out / "config.json").is_file():  # converted by the process we waited for
+            return out
+        legacy = _legacy_cache_dir(gguf)
+        if (legacy / "config.json").is_file():  # an older install's copy of the same file: move it
+            legacy.rename(out)
+            return out
+        _convert_into(gguf, out)
+    return out
+
+
+def _convert_into(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -113,10 +139,13 @@ def convert_gguf(gguf: Path) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model_dir(spec: str) -> tuple[Path, str]:

@@ -1,7 +1,8 @@
-"""``cadence`` command line: generate | distill | train | bench | serve.
+"""``cadence`` command line: generate | distill | train | calibrate | bench | serve | export | env | cache.
 
 Every user-facing failure is a CadenceError: printed as ``cadence: error: ...`` with
-exit status 2, never a traceback.
+exit status 2, never a traceback. SIGTERM and SIGHUP end a command as Ctrl-C does (its
+``finally`` blocks run; exit status 128 + the signal's number), except ``serve``, which drains.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from cadence.cliargs import add_fields, from_args
 from cadence.errors import CadenceError
 from cadence.fast import QUANTS
+from cadence.system import signals
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -127,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     for module in ("cadence.training.command", "cadence.calibrate", "cadence.bench.command",
-                   "cadence.training.small_heads", "cadence.server.command", "cadence.export"):
+                   "cadence.training.small_heads", "cadence.server.command", "cadence.export",
+                   "cadence.system.report"):
         importlib.import_module(module).register(sub)
     return parser
 
@@ -138,11 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # the weight-loading bar hides our own output
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "serve":  # the server drains on SIGTERM through uvicorn's own handlers
+        signals.install()
     try:
         return args.func(args)
     except CadenceError as exc:
         print(f"cadence: error: {exc}", file=sys.stderr)
         return 2
+    except signals.Terminated as exc:  # SIGTERM / SIGHUP: every finally block has run, as for Ctrl-C
+        print(f"cadence: terminated ({exc.args[0]})", file=sys.stderr)
+        return exc.exit_status
     except KeyboardInterrupt:
         print("cadence: interrupted", file=sys.stderr)
         return 130

@@ -138,7 +138,7 @@ def gsm8k_items(split: str) -> Iterator[PromptItem]:
 def jsonl_items(path: str | Path) -> Iterator[PromptItem]:
     """User prompts: one JSON object per line with a non-empty "prompt" string."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():  # a pipe or /dev/stdin is fine: only read from
         raise CadenceError(f"prompt file {path} does not exist")
     with open(path, encoding="utf-8") as fh:
         for i, line in enumerate(fh, 1):

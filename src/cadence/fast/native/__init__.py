@@ -14,17 +14,20 @@ Does not know: which forwards it may run; ``FastBackbone`` decides (every forwar
 trees without ``listed_attention`` and batched rows call their Python attention back).
 
 ``CADENCE_NATIVE=0`` turns it off (the Python loop runs); a failed build warns once and
-falls back to Python too.
+falls back to Python too, and so does a run that finds another live process still building
+after ``CADENCE_BUILD_WAIT`` seconds: a build never waits on a dead process or without end
+(``build.py``).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from cadence.fast.native import build
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "linear.h", "fused.cpp", "fused.h", "attention.cpp", "attention.h",
                                                     "attention_amx.cpp", "attention_amx.h", "vec16.h", "amx.h", "fused_math.h",
@@ -53,16 +56,12 @@ def module():
     if "module" in _state or "error" in _state:
         return _state.get("module")
     try:
-        from torch.utils import cpp_extension
-
-        name = "cadence_layers_" + _digest()
-        build = Path(cpp_extension._get_build_directory(name, verbose=False))
-        if not any(build.glob(f"{name}*.so")):
-            print("cadence: compiling the native layer loop (once per machine and torch, about a minute)",
-                  file=sys.stderr, flush=True)
-        _state["module"] = cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
-                                              extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                                              verbose=False)
+        _state["module"] = build.load(name(), _cpp_sources(), _CFLAGS, _LDFLAGS, what="building the native layer loop",
+                                      announce="cadence: compiling the native layer loop "
+                                               "(once per machine and torch, about a minute)")
+    except build.BuildBusy as exc:  # another live process is building it: never wait without end
+        _state["error"] = str(exc)
+        warnings.warn(f"cadence: {exc}; using the Python loop for this run (slower)", stacklevel=2)
     except Exception as exc:  # no compiler, no ninja, headers missing: the Python loop runs
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         warnings.warn(f"cadence: native layer loop unavailable ({_state['error']}); using the Python loop "
@@ -79,11 +78,26 @@ def build_variant(name: str, march: str):
     """The extension built for another instruction set (``-march=MARCH``) under its own
     name, e.g. ``x86-64-v3`` (AVX2 + FMA) on an AVX-512 machine: tests run the code paths
     of CPUs they are not on. Not cached by CPU; not for decoding."""
-    from torch.utils import cpp_extension
-
     flags = [f if not f.startswith("-march=") else f"-march={march}" for f in _CFLAGS]
-    return cpp_extension.load(name=f"{name}_{_digest()}", sources=[str(p) for p in _SOURCES if p.suffix == ".cpp"],
-                              extra_cflags=flags, extra_ldflags=_LDFLAGS, verbose=False)
+    return build.load(f"{name}_{_digest()}", _cpp_sources(), flags, _LDFLAGS, what=f"building {name} for {march}")
+
+
+def name() -> str:
+    """The extension's name here: its sources, torch, flags and CPU (``_digest``)."""
+    return "cadence_layers_" + _digest()
+
+
+def _cpp_sources() -> list[str]:
+    return [str(p) for p in _SOURCES if p.suffix == ".cpp"]
+
+
+def build_state() -> dict:
+    """The native build's state without building (``build.state``), or ``off``."""
+    if not enabled():
+        return {"state": "off", "reason": "CADENCE_NATIVE=0"}
+    if "error" in _state:
+        return {"state": "failed", "reason": _state["error"]}
+    return build.state(name())
 
 
 def build_id() -> str:
