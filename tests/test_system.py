@@ -224,7 +224,7 @@ def cache_root(tmp_path, monkeypatch):
 
 
 def test_two_paths_to_one_gguf_share_one_converted_copy(tmp_path, cache_root, monkeypatch):
-    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "renamed-copy.gguf"
     for p in (a, b):
         p.parent.mkdir()
         p.write_bytes(b"GGUF" + bytes(range(256)) * 64)
@@ -306,9 +306,11 @@ def test_cadence_cache_lists_and_clears_by_kind(tmp_path, cache_root, ext_root, 
     (disk_cache.models_dir() / "m-0123" / "model.safetensors").write_bytes(b"x" * 1000)
     disk_cache.latency_dir().mkdir(parents=True)
     (disk_cache.latency_dir() / "curve.json").write_text("{}")
+    (ext_root / "cadence_layers_abc").mkdir(parents=True)
+    (ext_root / "cadence_layers_abc" / "cadence_layers_abc.so").write_bytes(b"so")
     assert main(["cache"]) == 0
     out = capsys.readouterr().out
-    assert "m-0123" in out and "curve.json" in out
+    assert "m-0123" in out and "curve.json" in out and "cadence_layers_abc" in out and "[built]" in out
     assert main(["cache", "--clear", "latency"]) == 0
     assert "removed 1 cached entry" in capsys.readouterr().out
     assert not (disk_cache.latency_dir() / "curve.json").exists() and (disk_cache.models_dir() / "m-0123").exists()

@@ -89,8 +89,13 @@ def gguf_digest(gguf: Path) -> str:
 
 
 def model_entry(gguf: Path) -> Path:
-    """The directory a GGUF's conversion lives in: ``models/<stem>-<content digest>``."""
-    return models_dir() / f"{Path(gguf).stem}-{gguf_digest(gguf)}"
+    """The directory a GGUF's conversion lives in: ``models/<stem>-<content digest>``; an
+    existing conversion of the same bytes under another file name is that directory."""
+    digest = gguf_digest(gguf)
+    for done in sorted(models_dir().glob(f"*-{digest}")):
+        if (done / "config.json").is_file():
+            return done
+    return models_dir() / f"{Path(gguf).stem}-{digest}"
 
 
 def _alive(pid: int) -> bool:
@@ -156,12 +161,12 @@ def entries(kinds: tuple[str, ...] = KINDS) -> list[Entry]:
     if "latency" in kinds:
         for f in _children(latency_dir()):
             out.append(Entry("latency", f, size_bytes(f)))
-    if "kernels" in kinds:
-        for d in _children(kernels_root()):
-            for b in _children(d) if d.is_dir() else []:
-                if b.name.startswith("cadence_"):
-                    built = any(b.glob(f"{b.name}*.so"))
-                    out.append(Entry("kernels", b, size_bytes(b), "built" if built else "no library (not built)"))
+    if "kernels" in kinds:  # torch's default root has a folder per python/accelerator; $TORCH_EXTENSIONS_DIR not
+        tops = _children(kernels_root())
+        for b in [*tops, *(c for d in tops if d.is_dir() for c in _children(d))]:
+            if b.is_dir() and b.name.startswith("cadence_"):
+                built = any(b.glob(f"{b.name}*.so"))
+                out.append(Entry("kernels", b, size_bytes(b), "built" if built else "no library (not built)"))
     return out
 
 
