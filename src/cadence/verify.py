@@ -154,7 +154,7 @@ def typical(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx:
 
 
 def relaxed(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, ctx: VerifyContext) -> Verdict:
-    """Chain-aware relaxed acceptance (LOSSY, opt-in; METHODS.md section 4).
+    """Chain-aware relaxed acceptance (LOSSY, opt-in; docs/methods.md section 4).
 
     With ``g(x) = log p_B(argmax) - log p_B(x) >= 0`` the gap of token x at its parent,
     a draft x_j at depth j is acceptable iff

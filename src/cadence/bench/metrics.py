@@ -8,7 +8,7 @@ A record is one generation as the runner stores it (a dict)::
      "entropy": [...], "seconds": [...], "depth": [...], "tree": [...]} | None,
      "score": float | None}
 
-Conventions (METHODS.md section 7):
+Conventions (docs/methods.md section 7):
 - tokens/s = total new tokens / total wall time over the records (pooled, not a mean of rates).
 - speedup = tokens/s of a method / tokens/s of the baseline (``vanilla``) on the prompts
   (task, key, repeat) both have.

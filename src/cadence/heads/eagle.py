@@ -27,7 +27,7 @@ such drafters.
 Layout follows vLLM's ``llama_eagle`` (and SGLang's) so ``cadence export`` can hand the
 weights over unchanged: ``fc`` takes ``[embedding ; hidden]`` in that order, layer 0 has no
 input RMSNorm, and no norm follows the layer (features go straight to the shared LM head;
-METHODS.md writes ``W_lm(Norm(f))``: **(choice)** no learned norm, because vLLM's draft
+docs/methods.md writes ``W_lm(Norm(f))``: **(choice)** no learned norm, because vLLM's draft
 model has none to load; the backbone's h is already normed, and f is trained towards it).
 
 Training (``train_features``): teacher forcing over whole packed rows plus EAGLE-3-style

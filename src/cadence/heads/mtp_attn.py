@@ -1,4 +1,4 @@
-"""MTP modules with attention (DeepSeek-V3 / MiMo): METHODS.md section 2, ``mtp``.
+"""MTP modules with attention (DeepSeek-V3 / MiMo): docs/methods.md section 2, ``mtp``.
 
     g_0 = h;  g_k[j] = Block_k( P_k [ RMSNorm(g_{k-1}[j]) ; RMSNorm(E(x_{j+k})) ] )
     logits_k[j] = W_lm( RMSNorm_k(g_k[j]) )     (a prediction of x_{j+1+k})

@@ -1,5 +1,5 @@
 """EntMTP: switch among trees calibrated per entropy bin, following a running estimate of
-the backbone's entropy at the committed roots (METHODS.md section 5).
+the backbone's entropy at the committed roots (docs/methods.md section 5).
 
 Knows: the profile's bin edges and per-bin acceptance tables (``cadence.profiles``), this
 machine's verify latency, a bias-corrected EMA of the root entropy (W = 8, reset per
