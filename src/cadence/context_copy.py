@@ -9,8 +9,9 @@ hit rate to about 0.65 at every depth (see ``cadence calibrate``). A copy also
 continues past the last head, so a tree may be deeper than K when copying.
 
 This is prompt-lookup decoding folded into the heads' candidate lists: it costs a
-dictionary lookup per tree node, never changes the output (verification is exact), and
-only applies to greedy decoding (a sampled draft needs a distribution q; a copy has none).
+dictionary lookup per tree node and never changes the output (verification is exact). At
+T > 0 a copy has no draft distribution q, so it is verified as a point-mass proposal
+(accepted with the backbone's probability of its token; ``verify.speculative``).
 
 Knows: token ids already known in this request. Does not know heads, trees or models.
 """
