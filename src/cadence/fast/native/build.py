@@ -77,7 +77,8 @@ def load(name: str, sources: list[str], cflags: list[str], ldflags: list[str], w
     d = build_dir(name)
     with exclusive(d / LOCK, what=what, timeout_s=wait_s()) as held:
         if not held:
-            raise BuildBusy(f"{holder(d / LOCK).describe() if holder(d / LOCK) else 'another process'} "
+            other = holder(d / LOCK)
+            raise BuildBusy(f"{other.describe() if other else 'another process'} "
                             f"is still {what} after {wait_s():.0f} s (CADENCE_BUILD_WAIT)")
         _clean_after_dead_build(d, name)
         if announce and not any(d.glob(f"{name}*.so")):
