@@ -801,7 +801,7 @@ def roleplay_items(seed: int = 0) -> list[PromptItem]:
 
 _STEM_CONCEPT = ["Explain {c} in simple terms.", "What is {c}, and why does it matter?",
                  "How does {c} work? Give an everyday example.", "Explain {c} to a high-school student.",
-                 "What are common misconceptions about {c}?", "Describe {c} and one real-world application of it.",
+                 "What are common misconceptions about {c}?", "Describe {c} and give one real-world application.",
                  "Give a short, precise explanation of {c} for a university student.",
                  "Write a study note on {c} with a definition, a key formula or fact, and an example."]
 _STEM_PAIR = ["What is the difference between {a} and {b}?", "Compare {a} and {b}, with an example of each.",
