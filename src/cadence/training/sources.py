@@ -1,9 +1,10 @@
-"""Training prompts for self-distillation: the four families the benchmark asks about, mixed.
+"""Training prompts for self-distillation: the families the benchmarks ask about, mixed.
 
 Knows: which prompts each named source yields (all offline, from installed packages or
 the repo), how sources are interleaved, and which prompts are evaluation prompts (never
 trained on).
-Does not know: tokenizers, models, shards.
+Does not know: tokenizers, models, shards; whether a templated prompt is answerable (the
+backbone answers whatever it is asked; its reply is what the heads learn from).
 
 Sources (``DistillConfig.sources``):
 
@@ -25,18 +26,59 @@ Sources (``DistillConfig.sources``):
 - ``code-packages``: HumanEval-style "complete this function" prompts, as ``code``'s first
   half, from the installed third-party packages (the interpreter's ``purelib``: torch,
   transformers, numpy, ...; their test directories left out).
+
+The broader families (``BROAD``; ``broad`` names all eight). "Passages" are prose assistant
+replies of training ShareGPT conversations (250-800 characters, no code or markup, a
+conversational opener such as "Sure!" cut off; ``sharegpt_passages``) and passages of
+Python's own documentation (``pydoc_data.topics``, the language reference ``help()``
+shows, and standard-library module docstrings; ``python_doc_passages``). Word lists and
+personas are in ``cadence.training.topics``. Each family draws its wording per item from a
+seeded generator, so the same seed gives the same prompts in the same order:
+
+- ``translation``: English -> one of 16 languages (a sentence or two of a training ShareGPT
+  reply; ``topics.EVERYDAY`` sentences into every language), and non-English training
+  ShareGPT turns (``is_foreign``: non-Latin script, or Romance / Germanic function words)
+  -> English or another language; seven / five instruction wordings.
+- ``summarize``: a passage with one of nine summary instructions (sentences, bullets,
+  headline, word limit, ...).
+- ``extract``: a passage with an extraction instruction (entities as JSON, numbers, key
+  facts, terms, steps, keywords, claims), alternating with made-up records (orders, job
+  ads, events, flat listings, flight bookings, appointments, meeting notes, reviews,
+  invoices, contact changes; names and places from ``topics``) whose fields are asked for
+  as JSON, a list or a table.
+- ``chat-context``: conversations so far, ending at a human turn, the earlier turns in
+  ``PromptItem.history``: every later human turn of a training ShareGPT conversation whose
+  messages up to it total at most 800 characters (so the templated prompt fits 256
+  tokens), and the first exchange of a short training conversation followed by a
+  templated follow-up ("Can you make that shorter?", ...).
+- ``passage-qa``: a training ShareGPT reply as context with the question it answered
+  (RAG-style), three numbered snippets ("search results") with the question of one, and
+  generic or term questions over a passage (ShareGPT or Python docs).
+- ``roleplay``: 50 personas x 20 opening turns, once with the persona as a system message
+  (``history``) and once set up in the user's turn, alternating with training ShareGPT
+  human turns asking for role-play ("act as", "pretend", ...).
+- ``stem``: explanations of 148 science, maths, computing and engineering concepts
+  (8 wordings), 33 comparisons, 16 worked problems with drawn numbers, alternating with
+  training ShareGPT human turns on science or maths (keywords).
+- ``humanities``: history events, thinkers, ideas, literary works, arts, law and economics
+  (5-6 wordings each), 22 comparisons, alternating with training ShareGPT human turns on
+  those subjects (keywords).
 - ``PATH.jsonl``: user prompts, one ``{"prompt": ...}`` per line.
 
-Mixing: each source is shuffled by ``seed`` on its own (``code`` and ``writing`` shuffle
-their two halves and alternate them); sources are then taken in turn
-(round robin, one prompt each; an exhausted source drops out), so every stretch of a run
-covers all families, whatever its length.
+Mixing: each source is shuffled by ``seed`` on its own (``code``, ``writing`` and the broad
+families shuffle their parts and alternate them; repeats within a family are dropped);
+sources are then taken in turn (round robin, one prompt each; an exhausted source drops
+out), so every stretch of a run covers all families, whatever its length.
 
-Evaluation prompts are excluded by text: any prompt whose normalised text (lowercase,
-whitespace collapsed) equals a benchmark prompt - held-out ShareGPT first turns (which
-also feed ``writing``), GSM8K test questions (bare or with the instruction), HumanEval
-problems (bare or with the instruction) - is dropped, even when its key is a training
-key (ShareGPT repeats some prompts under different conversation ids).
+Evaluation prompts are excluded by text: any prompt with a message (the prompt, an
+earlier turn or a system message) whose normalised text (lowercase, whitespace collapsed)
+equals a benchmark prompt - held-out ShareGPT first turns (which also feed ``writing``),
+GSM8K test questions (bare or with the instruction), HumanEval problems (bare or with the
+instruction), every prompt of ``benchmarks/prompts/*.jsonl`` - is dropped, even when its
+key is a training key (ShareGPT repeats some prompts under different conversation ids).
+So is any prompt that quotes a piece of a ``benchmarks/prompts`` prompt (a line, sentence
+or colon-separated part of at least 40 characters: a passage to summarize, a sentence to
+translate), whatever its instruction (``is_evaluation_item``).
 """
 
 from __future__ import annotations
@@ -895,6 +937,18 @@ def _shuffled(items: list[PromptItem], tag: str) -> list[PromptItem]:
     return items
 
 
+def _unique(items: Iterable[PromptItem]) -> list[PromptItem]:
+    """``items`` without repeats (same text and earlier turns, ``item_hash``), first kept."""
+    seen: set[str] = set()
+    out = []
+    for it in items:
+        h = item_hash(it)
+        if h not in seen:
+            seen.add(h)
+            out.append(it)
+    return out
+
+
 def _alternate(lists: list[list[PromptItem]]) -> Iterator[PromptItem]:
     for i in range(max((len(x) for x in lists), default=0)):
         for x in lists:
@@ -934,7 +988,7 @@ def source_items(name: str, seed: int = 0) -> list[PromptItem]:
     if name == "code-packages":
         return _shuffled(package_function_items(), f"{seed}:code-packages")
     if name in _FAMILIES:
-        return _FAMILIES[name](seed)  # each family shuffles and interleaves its own parts
+        return _unique(_FAMILIES[name](seed))  # each family shuffles and interleaves its own parts
     if name.endswith(".jsonl"):
         return _shuffled(list(jsonl_items(name)), f"{seed}:{name}")
     raise CadenceError(f"unknown prompt source {name!r}: use {', '.join(NAMED)} or a .jsonl file")
