@@ -239,3 +239,27 @@ def test_cli_exports_eagle3_for_both_servers(exported, tmp_path, capsys):
                str(tmp_path / "s"), "--model", ""])
     assert rc == 0 and "--speculative-algorithm EAGLE3" in capsys.readouterr().out
     assert json.loads((tmp_path / "s" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+# ------------------------------------------------------------------ training
+
+
+def test_trainer_defaults_the_taps_trains_its_own_head_and_refuses_kl(tmp_path):
+    from test_training_support import base_config, make_data, tiny_model_dir
+
+    from cadence.backbone import load_backbone
+    from cadence.training.trainer import train
+
+    model = tiny_model_dir(tmp_path)
+    data = make_data(tmp_path / "data")
+    bb = load_backbone(str(model))
+    kw = dict(kind="eagle3", num_heads=4, draft_vocab=100, steps=6, eval_every=3, save_every=2)
+    run = train(base_config(data, tmp_path / "out", model, **kw), backbone=bb)
+    heads = load_heads(tmp_path / "out" / "heads", bb)
+    assert heads.cfg.taps == default_taps(2) and heads.cfg.draft_vocab_size == 100 == heads.lm_head.out_features
+    assert len(run.summary["heldout"]["top1"]) == 4  # one accuracy per training-time-test step
+    start = new_heads("eagle3", bb, 4, taps=heads.cfg.taps)
+    start.set_draft_vocab(heads.draft_vocab)
+    assert not torch.equal(start.lm_head.weight, heads.lm_head.weight)  # its own head was trained
+    with pytest.raises(CadenceError, match="eagle3 trains its own LM head"):
+        train(base_config(data, tmp_path / "kl", model, **{**kw, "loss": "kl"}), backbone=bb)
