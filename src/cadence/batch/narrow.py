@@ -60,6 +60,9 @@ class NarrowConfig:
                 f"{MAX_NODES})"})
     margin: float = field(default=0.05, metadata={
         "help": "auto: speculation must beat the root alone by this expected fraction"})
+    measured: bool = field(default=True, metadata={
+        "help": "auto: also time whole batched steps, speculating and not, per batch size, and run the root "
+                "alone at a batch size where that measures faster (cadence.batch.step_rates)"})
 
     def __post_init__(self):
         if self.mode not in ("auto", "none", "root"):
