@@ -1,8 +1,10 @@
 """Speculative decoding vs plain decoding per prompt category, in one interleaved run.
 
-The held-out prompts in ``benchmarks/prompts/categories.jsonl`` (code, math, chat,
-writing, translation, summary, extraction; written for this check, never used to
-train or tune heads or trees) are decoded by every method, methods interleaved per
+The held-out prompts in ``benchmarks/prompts/categories.jsonl`` (4 each of code, math, chat,
+writing, translation, summary, extraction, roleplay, reasoning, math-reasoning, stem,
+humanities, qa, rag: the kinds Spec-Bench and MT-Bench ask, in this repository's own
+wording; written for this check, never used to train or tune heads or trees, and kept out
+of the distillation sources by ``training.sources``) are decoded by every method, methods interleaved per
 prompt with the order alternating, after a warm-up that is not timed. Per category:
 tokens/s of each method over vanilla (total tokens / total seconds), tau, and whether
 the output is byte-identical to vanilla.
