@@ -131,22 +131,26 @@ def test_head_rows_undo_llama_cpps_permutation():
 
 @pytest.mark.slow
 @needs_native
-def test_the_avx2_and_generic_builds_give_the_same_bits():
-    """The kernel built for an AVX2-only CPU (x86-64-v3) and for plain x86-64 (std::fma per
-    lane): the native build's bits, since every operation is a lane-wise IEEE one and the
-    lane sums are added in one fixed order. About a minute each to compile."""
+@pytest.mark.parametrize("level", ["avx2", "avx512", "x86-64"])
+def test_the_avx2_avx512_and_generic_builds_give_the_same_bits(level):
+    """The kernel as CADENCE_ISA=avx2 / avx512 builds it (-march=haswell / skylake-avx512) and
+    for plain x86-64 (std::fma per lane): the native build's bits, since every operation is a
+    lane-wise IEEE one and the lane sums are added in one fixed order. About two minutes each
+    to compile (a build CADENCE_ISA made already is reused)."""
     import platform
 
-    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("x86-64 with AVX2 only")
-    for march in ("x86-64-v3", "x86-64"):
-        other = native.build_variant(f"cadence_layers_{march.replace('-', '_')}", march)
-        for qtype in TYPES:
-            b = blocks(weights(24, 576, 7), qtype)
-            x = torch.randn(5, 576, generator=torch.Generator().manual_seed(1))
-            assert torch.equal(other.q_dequantize(b, int(qtype), 576), ops.q_dequantize(b, int(qtype), 576))
-            assert torch.equal(other.q_linear(x, b, int(qtype), 24, None), ops.q_linear(x, b, int(qtype), 24, None)), \
-                (march, qtype)
+    from cadence.fast.cpu import _hardware_flags
+
+    need = {"avx2": "avx2", "avx512": "avx512bw", "x86-64": "sse2"}[level]
+    if platform.machine() not in ("x86_64", "AMD64") or need not in _hardware_flags():
+        pytest.skip(f"x86-64 with {need} only")
+    other = native.build_for(level) if level != "x86-64" else native.build_variant("cadence_layers_x86_64", level)
+    assert other.q_isa() == {"avx2": "avx2", "avx512": "avx512", "x86-64": "generic"}[level]
+    for qtype in TYPES:
+        b = blocks(weights(24, 576, 7), qtype)
+        x = torch.randn(5, 576, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(other.q_dequantize(b, int(qtype), 576), ops.q_dequantize(b, int(qtype), 576))
+        assert torch.equal(other.q_linear(x, b, int(qtype), 24, None), ops.q_linear(x, b, int(qtype), 24, None)), qtype
 
 
 # -- a backbone on a GGUF file's blocks ------------------------------------------------------

@@ -74,15 +74,23 @@ def loaded():
     return _state.get("module")
 
 
-def cflags() -> list[str]:
+def cflags(level: str | None = None) -> list[str]:
     """The compiler flags of this process's build: ``-march=native``, or the instruction set
-    ``CADENCE_ISA`` forces (``avx2``: ``-march=haswell``, AVX2 + FMA + F16C; ``avx512``:
-    ``-march=skylake-avx512``, AVX-512 F/CD/BW/DQ/VL without BF16 or AMX), which then runs on
-    this CPU as it would on one that has only that set (``cadence.fast.cpu``)."""
+    ``CADENCE_ISA`` (or ``level``) forces (``avx2``: ``-march=haswell``, AVX2 + FMA + F16C;
+    ``avx512``: ``-march=skylake-avx512``, AVX-512 F/CD/BW/DQ/VL without BF16 or AMX), which
+    then runs on this CPU as it would on one that has only that set (``cadence.fast.cpu``)."""
     from cadence.fast.cpu import ISA_MARCH, isa
 
-    march = ISA_MARCH[isa()]
+    march = ISA_MARCH[level or isa()]
     return [f if not f.startswith("-march=") else f"-march={march}" for f in _CFLAGS]
+
+
+def build_for(level: str):
+    """The extension as a process with ``CADENCE_ISA=level`` builds it (the same name, so the
+    same cached build), loaded beside this process's own: tests compare their bits."""
+    flags = cflags(level)
+    return build.load(_name_for(level, _digest(flags)), _cpp_sources(), flags, _LDFLAGS,
+                      what=f"building the native layer loop for {level}")
 
 
 def build_variant(name: str, march: str):
@@ -98,8 +106,11 @@ def name() -> str:
     a forced instruction set names it (``cadence_layers_avx2_<digest>``)."""
     from cadence.fast.cpu import isa
 
-    level = isa()
-    return "cadence_layers_" + ("" if level == "native" else f"{level}_") + _digest()
+    return _name_for(isa(), _digest())
+
+
+def _name_for(level: str, digest: str) -> str:
+    return "cadence_layers_" + ("" if level == "native" else f"{level}_") + digest
 
 
 def _cpp_sources() -> list[str]:
@@ -121,17 +132,20 @@ def build_id() -> str:
     return _digest() if module() is not None else ""
 
 
-def _digest() -> str:
-    """Names the build by the source and torch version, so an edit or a new torch rebuilds."""
+def _digest(flags: list[str] | None = None) -> str:
+    """Names the build by the source and torch version, so an edit or a new torch rebuilds;
+    ``flags``: another build's compiler flags than this process's (``build_for``)."""
     import hashlib
 
-    if "digest" in _state:
+    if flags is None and "digest" in _state:
         return _state["digest"]
 
     h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
     h.update(torch.__version__.encode())
-    h.update(" ".join(cflags()).encode())
+    h.update(" ".join(flags or cflags()).encode())
     h.update(_cpu_identity().encode())  # -march=native: a build for one CPU never loads on another
+    if flags is not None:
+        return h.hexdigest()[:12]
     _state["digest"] = h.hexdigest()[:12]
     return _state["digest"]
 
