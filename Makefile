@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.cadence-installed
 
-.PHONY: setup demo test test-slow clean
+.PHONY: setup demo test test-slow gpu-check clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
+
+# the GPU check: no venv, no install, no download (an existing torch + transformers; PYTHON=python to pick one)
+GPU_CHECK_OUT ?= runs/gpu-check
+gpu-check:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

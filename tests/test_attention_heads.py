@@ -22,12 +22,14 @@ from cadence.engine import Engine, GenerationConfig, drafter_states
 from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads, save_heads
 from cadence.heads.eagle import EagleHeads
+from cadence.heads.eagle3 import Eagle3Heads
 from cadence.heads.mtp_attn import MTPAttnHeads
 from cadence.schedulers import StaticScheduler
 from cadence.trees import compile_tree, preset
 
-# eagle2: a drafter of two decoder layers; eagle-taps: one that also reads the backbone's layer 1
-KINDS = ("eagle", "eagle2", "eagle-taps", "mtp-attn")
+# eagle2: a drafter of two decoder layers; eagle-taps: one that also reads the backbone's layer 1;
+# eagle3: the EAGLE-3 drafter (fused taps, its own LM head; here over the whole vocabulary)
+KINDS = ("eagle", "eagle2", "eagle-taps", "eagle3", "mtp-attn")
 
 
 def make(kind, bb, k=3, **kw):
@@ -111,13 +113,17 @@ class OracleEagle(_Oracle, EagleHeads):
     pass
 
 
+class OracleEagle3(_Oracle, Eagle3Heads):
+    pass
+
+
 class OracleMTPAttn(_Oracle, MTPAttnHeads):
     pass
 
 
 def oracle_heads(bb, kind, ref, plen):
     base = make(kind, bb, 3, random=True, seed=3)
-    cls = OracleEagle if kind.startswith("eagle") else OracleMTPAttn
+    cls = OracleEagle3 if kind == "eagle3" else OracleEagle if kind.startswith("eagle") else OracleMTPAttn
     heads = cls(base.cfg)
     heads.load_state_dict(base.state_dict())
     return heads.bind(bb).arm(ref, plen, bb.vocab_size)
@@ -332,7 +338,7 @@ def test_training_learns_and_resumes(train_env, kind):
     env = train_env
     kw = dict(kind=kind.rstrip("2").removesuffix("-taps"), steps=12, eval_every=6, save_every=4,
               feature_loss=0.5 if kind.startswith("eagle") else 0.0, num_layers=2 if kind == "eagle2" else 1,
-              taps=(1,) if kind == "eagle-taps" else ())
+              taps=(1,) if kind in ("eagle-taps", "eagle3") else (), draft_vocab=200 if kind == "eagle3" else 0)
     full = train(base_config(env["data"], env["root"] / f"{kind}-full", env["model"], **kw), backbone=env["backbone"])
     assert full.status == "finished"
     first = full.summary["heldout"]["top1"]
@@ -402,7 +408,7 @@ def test_narrow_mlp_keeps_the_strongest_units_and_round_trips(backbones, kind, t
     bb = backbones["llama"]
     heads = make(kind, bb, 3, random=True, seed=5)
     blocks = [m for m in heads.modules() if isinstance(m, Block)]
-    x = torch.randn(2, 6, heads.cfg.hidden_size)
+    x = torch.randn(2, 6, blocks[0].self_attn.q_proj.in_features)  # eagle3's layer reads [E ; g]: 2d
     pos = torch.arange(6).expand(2, 6)
     mask = torch.ones(2, 6, 6, dtype=torch.bool).tril()
     before = blocks[0].forward_masked(x, pos, mask)[0]

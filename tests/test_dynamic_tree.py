@@ -60,7 +60,7 @@ def dyn_engine(bb, heads, copy=False, **kw):
     return Engine(bb, drafter, lambda s: DynamicScheduler(spec) if s.greedy else StaticScheduler(static))
 
 
-KINDS = ("eagle", "eagle2", "eagle-taps", "mtp-attn", "hydra", "medusa", "mtp")
+KINDS = ("eagle", "eagle2", "eagle-taps", "eagle3", "mtp-attn", "hydra", "medusa", "mtp")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -76,7 +76,7 @@ def test_random_heads_dynamic_greedy_identical(backbones, kind, arch):
             assert all(s.tree.startswith("dynamic-") for s in out.stats.step_log)
 
 
-@pytest.mark.parametrize("kind", ("eagle", "eagle2", "eagle-taps", "mtp-attn"))
+@pytest.mark.parametrize("kind", ("eagle", "eagle2", "eagle-taps", "eagle3", "mtp-attn"))
 def test_oracle_heads_fill_the_dynamic_tree_with_the_right_path(backbones, kind):
     bb = backbones["llama"]
     for prompt in PROMPTS:

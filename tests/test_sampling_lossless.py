@@ -240,7 +240,7 @@ def test_sampled_ngram_is_lossless(small):
     assert tau > 1.0  # some copies accepted (each with the backbone's probability of its token)
 
 
-@pytest.mark.parametrize("kind, copy", [("hydra", False), ("hydra", True), ("eagle", True)])
+@pytest.mark.parametrize("kind, copy", [("hydra", False), ("hydra", True), ("eagle", True), ("eagle3", True)])
 def test_dynamic_tree_sampling_is_lossless(small, kind, copy):
     """EAGLE-2 dynamic trees at T > 0: candidates are the drafter's top-k under the sampling
     settings (and context copies), chosen by value, every node verified as a point mass."""

@@ -41,6 +41,7 @@ from cadence.errors import CadenceError
 from cadence.methods import make_engine
 from cadence.schedulers import StaticScheduler
 from cadence.server.app import AppSettings, create_app
+from cadence.server.config import ServeConfig
 
 # ------------------------------------------------------------------ openai client
 
@@ -383,6 +384,9 @@ def test_serve_build_passes_the_narrowing_flags(monkeypatch):
     multi = app.state.engine
     assert type(multi).__name__ == "BatchEngine" and multi.max_batch == conf.max_batch == 3
     assert (multi.narrow_cfg.mode, multi.narrow_cfg.min_batch, multi.narrow_cfg.max_nodes) == ("root", 2, 5)
+    assert multi.prefill_chunk == conf.prefill_chunk == ServeConfig.prefill_chunk > 0  # chunked by default
+    args = build_parser().parse_args(["serve", "--heads", "random", "--batching", "batched", "--prefill-chunk", "0"])
+    assert command.build(args)[0].state.engine.prefill_chunk == 0
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -392,6 +396,7 @@ def test_serve_build_passes_the_narrowing_flags(monkeypatch):
     (["--narrow-max-nodes", "-1"], "--narrow-max-nodes must be >= 0"),
     (["--narrow-margin", "-0.5"], "--narrow-margin must be a finite number >= 0"),
     (["--narrow-margin", "nan"], "--narrow-margin must be a finite number >= 0"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"),
 ])
 def test_bad_narrowing_flags_exit_2_before_loading(flags, message, capsys, monkeypatch):
     from cadence.cli import main

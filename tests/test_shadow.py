@@ -115,7 +115,7 @@ class ReusedBuffers:
         return type(out)(**{**vars(out), "hidden": self._buf[:, :n]})
 
 
-@pytest.mark.parametrize("kind", ["hydra", "eagle"])
+@pytest.mark.parametrize("kind", ["hydra", "eagle", "eagle3"])
 @pytest.mark.parametrize("copy", [False, True])
 def test_batched_shadows_give_the_verdicts_one_at_a_time_would_give(bb, copy, kind):
     """Plan.shadow_batch = 4: head-drafted shadows are judged four at a time in one head

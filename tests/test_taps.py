@@ -263,8 +263,9 @@ class _Spy:
         return d
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_batched_rows_draft_from_the_same_taps_as_the_serial_engine(temperature):
+def test_batched_rows_draft_from_the_same_taps_as_the_serial_engine(temperature, kind):
     """Three requests with a taps drafter through ``BatchEngine`` (2 slots: one joins
     later) give each request's tokens, steps and every draft of ``Engine`` run alone."""
     from tiny import tiny_backbone
@@ -278,9 +279,10 @@ def test_batched_rows_draft_from_the_same_taps_as_the_serial_engine(temperature)
     from cadence.schedulers import StaticScheduler
 
     bb = FastBackbone.from_backbone(tiny_backbone("llama", layers=3))
-    heads = new_heads("eagle", bb, 3, random=True, seed=4, taps=[1, 2])
-    with torch.no_grad():  # make the taps matter: their fc columns are not small
-        heads.fc.weight[:, 2 * 64:].normal_(0, 0.5, generator=torch.Generator().manual_seed(6))
+    heads = new_heads(kind, bb, 3, random=True, seed=4, taps=[1, 2])
+    if kind == "eagle":
+        with torch.no_grad():  # make the taps matter: their fc columns are not small
+            heads.fc.weight[:, 2 * 64:].normal_(0, 0.5, generator=torch.Generator().manual_seed(6))
     prompts = [[5, 9, 11, 3, 7, 9, 11, 3], [40, 41, 42], [7] * 12 + [100, 101]]
     cfg = GenerationConfig(max_new_tokens=24, temperature=temperature, seed=11)
     sched = StaticScheduler.from_preset("tree-8", 3)

@@ -15,6 +15,7 @@ sending streamed chat completions at T = 0 over ``--requests`` mixed prompts (he
 used to train or tune), ``--max-tokens`` tokens each, after an untimed warm-up. The
 clients run on the same cores as the server.
 
+Reported per server: the milliseconds a GET takes on a reused (kept-alive) connection.
 Reported per (server, C): completion tokens / wall second; time to first token and
 inter-token latency p50 / p95 / p99, where a request's inter-token latency is
 (last content chunk - first) / (completion tokens - 1) (a speculative server sends several
@@ -221,6 +222,18 @@ def mixed_prompts(n: int) -> list[str]:
     return [order[i % len(order)] for i in range(n)]
 
 
+def reused_connection_ms(url: str, n: int = 50) -> dict:
+    """Milliseconds per GET /v1/models on one kept-alive connection (the first one, which
+    opens it, left out): what a reused connection adds (Nagle's delayed-ACK stall shows here)."""
+    times = []
+    with httpx.Client(timeout=10) as client:
+        for _ in range(n + 1):
+            t = time.perf_counter()
+            client.get(url + "/v1/models").raise_for_status()
+            times.append(1000 * (time.perf_counter() - t))
+    return quantiles(times[1:], digits=3)
+
+
 def bench_server(name: str, args, prompts: list[str]) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -233,6 +246,8 @@ def bench_server(name: str, args, prompts: list[str]) -> dict:
     try:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         run_level(url, model, prompts[:2], 2, 8, args.timeout)  # warm-up, not reported
+        out["reused_connection_ms"] = reused_connection_ms(url)
+        print(f"{name}: GET on a reused connection {out['reused_connection_ms']} ms", flush=True)
         seq, wall = run_level(url, model, prompts, 1, args.max_tokens, args.timeout)  # the reference
         out["sequential"] = summarize(seq, wall, 1, args.max_tokens, None)
         out["texts"] = [r["text"] for r in seq]

@@ -165,7 +165,8 @@ def sequence_ranks(backbone, heads, ids: torch.Tensor, plen: int, ranks: int, co
     for k in range(1, K + 1):
         f = feats[k - 1][0][t0:]
         logits, vocab_ids = heads.draft_logits(f), heads.draft_vocab
-        extra = _context_logits(heads, f, ids, t0) if context_vocab and vocab_ids is not None else None
+        extra = (_context_logits(heads, f, ids, t0) if context_vocab and vocab_ids is not None
+                 and not getattr(heads, "own_lm_head", False) else None)
         if extra is not None:
             logits, vocab_ids = torch.cat([logits, extra[0]], -1), torch.cat([vocab_ids, extra[1]])
         top = logits.topk(ranks, dim=-1).indices

@@ -136,8 +136,9 @@ class HeadDrafter:
         # up to ``context_vocab`` of the context's tokens outside the heads' draft vocabulary
         # are scored too (None: off, or heads that draft over the whole vocabulary)
         dv = heads.draft_vocab
+        own = getattr(heads, "own_lm_head", False)  # eagle3: its logits are not the backbone LM head's
         self.context_vocab = (ContextVocabs(dv, self.vocab_size, context_vocab)
-                              if context_vocab > 0 and dv is not None else None)
+                              if context_vocab > 0 and dv is not None and not own else None)
 
     @property
     def taps(self) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ class Method(str, Enum):
     HYDRA = "hydra"
     MTP = "mtp"
     EAGLE = "eagle"  # one decoder layer, feature-level autoregression (attention over the context)
+    EAGLE3 = "eagle3"  # EAGLE-3: fused taps, a 2d-input layer, its own draft-vocabulary LM head
     MTP_ATTN = "mtp-attn"  # chained MTP modules with attention (DeepSeek-V3 / MiMo)
     NGRAM = "ngram"  # the context copy alone (prompt lookup): any model, no heads (``copy_drafter``)
 
@@ -49,7 +50,7 @@ class MethodSpec:
     """How to decode; CLI flags derive from these fields."""
 
     method: Method = field(default=Method.HYDRA, metadata={
-        "help": "vanilla | medusa | hydra | mtp | eagle | mtp-attn | ngram (context copy alone: any model, no heads)"})
+        "help": "vanilla | medusa | hydra | mtp | eagle | eagle3 | mtp-attn | ngram (context copy alone: any model, no heads)"})
     heads: str = field(default="default", metadata={
         "help": "default (shipped for the model and --method) | random | a heads directory | the name of a "
                 "set shipped for the model (SmolLM2: eagle-taps; see the model card)"})

@@ -26,13 +26,31 @@ from cadence.errors import CadenceError
 HELD_OUT_PERCENT = 10  # share of ShareGPT conversations reserved for evaluation
 
 
+ROLES = ("system", "user", "assistant")  # roles an earlier message of a PromptItem may have
+
+
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt with where it came from."""
+    """One prompt with where it came from.
+
+    ``history`` holds the messages before ``prompt`` (a system message, earlier user and
+    assistant turns), so a prompt can be the latest human turn of a conversation or a user
+    turn under a persona; ``prompt`` is always the last, user, message. Empty for the
+    single-turn prompts of most sources, which are chat-templated exactly as before.
+    """
 
     key: str  # stable id, e.g. "sharegpt:abc123" or "gsm8k-train:17"
     prompt: str  # the user's message (chat template applied later)
     reference: str | None = None  # reference answer, when the source has one
+    history: tuple[tuple[str, str], ...] = ()  # (role, text) messages before the prompt; role in ROLES
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as chat-template messages, ``prompt`` last as the user's turn."""
+        return [{"role": r, "content": t} for r, t in self.history] + [{"role": "user", "content": self.prompt}]
+
+    def texts(self) -> list[str]:
+        """Every message text of the item (earlier turns first), e.g. for the evaluation filter."""
+        return [t for _, t in self.history] + [self.prompt]
 
 
 def held_out(key: str, percent: int = HELD_OUT_PERCENT) -> bool:
@@ -155,6 +173,24 @@ def jsonl_items(path: str | Path) -> Iterator[PromptItem]:
                              reference=row.get("reference"))
 
 
+def sharegpt_conversations(split: str, path: str | Path | None = None
+                           ) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """(key, turns) of each ShareGPT conversation in ``split`` that starts with a human turn;
+    turns are (role, text) with role 'user' (ShareGPT's 'human') or 'assistant' ('gpt'), other
+    speakers and empty turns dropped. Key: ``sharegpt:ID``, the split rule's key."""
+    want_held_out = {"train": False, "heldout": True}[split]
+    roles = {"human": "user", "gpt": "assistant"}
+    for conv in iter_sharegpt_conversations(path):
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        key = f"sharegpt:{conv.get('id')}"
+        if held_out(key) != want_held_out:
+            continue
+        out = [(roles[t["from"]], (t.get("value") or "").strip()) for t in turns if t.get("from") in roles]
+        yield key, [(r, v) for r, v in out if v]
+
+
 def prompt_hash(text: str) -> str:
     """Stable id of a prompt's text (SHA-1 of the stripped UTF-8 text, 16 hex digits).
 
@@ -162,3 +198,12 @@ def prompt_hash(text: str) -> str:
     whatever source or key it arrives under.
     """
     return hashlib.sha1(text.strip().encode("utf-8")).hexdigest()[:16]
+
+
+def item_hash(item: PromptItem) -> str:
+    """Store id of an item: ``prompt_hash(item.prompt)`` when it has no earlier messages
+    (as every store made before multi-turn items), else the hash of its messages as JSON,
+    so two conversations ending in the same words are different prompts."""
+    if not item.history:
+        return prompt_hash(item.prompt)
+    return prompt_hash(json.dumps(item.messages(), ensure_ascii=False, separators=(",", ":")))

@@ -9,8 +9,12 @@ Does not know: HTTP, how drafts are made or accepted (the row's ``Request`` does
 with the engine's drafter and ``verify.RULES``), or which tree a row wants.
 
 One ``step()``:
-  1. admit queued requests into free slots: one prefill forward each, written straight
-     into the row's slot; the row's root token is picked as ``Request`` picks it;
+  1. admit queued requests into free slots: their prompts go straight into the row's
+     slot; the row's root token is picked as ``Request`` picks it. With
+     ``prefill_chunk`` = 0, or when no row is running, each admitted prompt is one
+     forward; otherwise the step spends at most ``prefill_chunk`` prompt tokens
+     (``cadence.batch.prefill``), one request at a time, and a request joins the running
+     rows once its whole prompt is in (the slot after theirs holds it meanwhile);
   2. every running row drafts its step (``Request.begin_step``) with its tree capped at
      ``narrow.cap(B)`` nodes; a row whose root alone ends it (EOS, last token of its
      budget) commits without a forward and leaves;
@@ -47,6 +51,7 @@ import torch
 from cadence.batch.api import Event, failed
 from cadence.batch.layout import pack
 from cadence.batch.narrow import MAX_NODES, CappedScheduler, NarrowConfig, Narrowing
+from cadence.batch.prefill import Prefill
 from cadence.engine import Engine, GenerationConfig, PendingStep, Request, drafter_states
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
@@ -59,7 +64,8 @@ log = logging.getLogger(__name__)
 class _Row:
     rid: int
     req: Request
-    slot: int = -1  # index in the batch cache while running
+    slot: int = -1  # index in the batch cache while running (or while its prompt goes in)
+    prefill: Prefill | None = None  # set while the prompt is entering the cache in chunks
 
 
 class BatchEngine:
@@ -70,12 +76,14 @@ class BatchEngine:
     narrow: how speculation narrows with the batch size; latency: this machine's
     ``narrow.BatchLatency`` (measured and cached on first use when ``narrow.mode`` is
     auto and there is a drafter); draft_s: seconds per drafted level (from the engine's
-    tree policy when built with ``from_engine``).
+    tree policy when built with ``from_engine``). prefill_chunk: most prompt tokens a step
+    spends on admitting requests while other rows are running (0 = a whole prompt per
+    forward, however long; see ``cadence.batch.prefill``).
     """
 
     def __init__(self, backbone, drafter=None, scheduler=None, max_batch: int = 8,
                  narrow: NarrowConfig | None = None, latency=None, draft_s: float = 0.0,
-                 tree_policy=None, allow_unverified: bool = False):
+                 tree_policy=None, allow_unverified: bool = False, prefill_chunk: int = 0):
         if not hasattr(backbone, "forward_rows"):
             raise CadenceError(
                 f"BatchEngine needs the fast backend (cadence.fast.FastBackbone: Llama, Mistral, Qwen2/3); "
@@ -83,6 +91,9 @@ class BatchEngine:
                 "Use cadence.batch.serial.SerialEngine (one forward per request, any backbone) instead")
         if not isinstance(max_batch, int) or max_batch < 1:
             raise CadenceError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise CadenceError(f"prefill_chunk must be an integer >= 0 (0 = whole prompts), got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         self.engine = Engine(backbone, drafter, scheduler)  # what rows share (Request reads it)
         self.engine.allow_unverified = allow_unverified
         self.backbone, self.drafter, self.max_batch = backbone, drafter, max_batch
@@ -96,6 +107,7 @@ class BatchEngine:
         self.cache.max_positions = backbone.max_positions + MAX_NODES  # room for padded dummy nodes
         self.rows: list[_Row] = []  # running; rows[i].slot == i
         self.waiting: deque[_Row] = deque()
+        self.filling: _Row | None = None  # the request whose prompt is entering slot len(rows)
         self._next = 0
 
     @classmethod
@@ -124,13 +136,17 @@ class BatchEngine:
             if row.rid == rid:
                 self.waiting.remove(row)
                 return
+        if self.filling is not None and self.filling.rid == rid:
+            self._drop_filling()
+            return
         for row in self.rows:
             if row.rid == rid:
                 self._leave(row)
                 return
 
     def cut(self, rid: int) -> Event | None:
-        row = next((r for r in list(self.waiting) + self.rows if r.rid == rid), None)
+        row = next((r for r in list(self.waiting) + self.rows + [self.filling] if r is not None and r.rid == rid),
+                   None)
         if row is None:
             return None
         row.req.done = True
@@ -140,7 +156,7 @@ class BatchEngine:
         return ev
 
     def has_work(self) -> bool:
-        return bool(self.rows or self.waiting)
+        return bool(self.rows or self.waiting or self.filling)
 
     @property
     def running(self) -> int:
@@ -148,7 +164,8 @@ class BatchEngine:
 
     @property
     def queued(self) -> int:
-        return len(self.waiting)
+        """Requests not decoding yet: waiting for a slot, or with their prompt going in."""
+        return len(self.waiting) + (self.filling is not None)
 
     @torch.inference_mode()
     def step(self) -> list[Event]:
@@ -175,27 +192,49 @@ class BatchEngine:
 
     # -- internals ---------------------------------------------------------------------------
     def _admit(self) -> list[Event]:
-        """Queued requests take free slots; one prefill forward each, into its own slot. A
-        prefill that fails ends its request (an error event) and frees the slot."""
+        """Queued requests take free slots and their prompts go in: whole prompts when no
+        row is running or ``prefill_chunk`` is 0, else at most ``prefill_chunk`` prompt
+        tokens this step (a prompt may take several steps; the next one starts when it is
+        in). A prefill that fails ends its request (an error event) and frees the slot."""
         events = []
-        while self.waiting and len(self.rows) < self.max_batch:
-            row = self.waiting.popleft()
-            row.slot = len(self.rows)
-            req = row.req
-            t0 = time.perf_counter()
+        budget = self.prefill_chunk if self.rows else 0  # 0: no limit this step
+        spent = 0
+        while True:
+            if self.filling is None:
+                if not self.waiting or len(self.rows) >= self.max_batch:
+                    break
+                self._start_filling(self.waiting.popleft())
+            row = self.filling
             try:
-                req.cache = self.cache.row(row.slot)
-                ids = torch.tensor([req.prompt_ids], device=self.backbone.device)
-                out = self.backbone.forward_rows(ids, self.cache, row.slot, [0], need_logits=False,
-                                                 taps=self.engine.taps)
-                req.prefilled(out.hidden[0, -1], t0, drafter_states(out)[0])  # every prompt state: drafters with state
+                spent += row.prefill.advance(self.backbone, self.cache, budget - spent if budget else 0,
+                                             self.engine.taps)
+                if row.prefill.remaining == 0:
+                    row.prefill.finish()
             except Exception as exc:  # noqa: BLE001 - this request's failure
-                self.cache.lengths[row.slot] = 0
-                row.slot = -1
+                self._drop_filling()
                 events.append(self._fail(row, exc, running=False))
                 continue
+            if row.prefill.remaining:
+                break  # this step's budget is spent
+            row.prefill, self.filling = None, None
             self.rows.append(row)
+            if budget and spent >= budget:
+                break
         return events
+
+    def _start_filling(self, row: _Row) -> None:
+        """``row`` takes the slot after the running rows; its prompt goes in from there."""
+        row.slot = len(self.rows)
+        self.cache.lengths[row.slot] = 0
+        row.req.cache = self.cache.row(row.slot)
+        row.prefill = Prefill(row.req, row.slot)
+        self.filling = row
+
+    def _drop_filling(self) -> None:
+        """The request whose prompt is going in leaves (aborted, cut or failed); its slot is freed."""
+        row, self.filling = self.filling, None
+        self.cache.lengths[row.slot] = 0
+        row.slot, row.prefill = -1, None
 
     def _set_cap(self, row: _Row) -> None:
         sched = row.req.scheduler
@@ -286,3 +325,7 @@ class BatchEngine:
         else:
             self.cache.lengths[slot] = 0
         row.slot = -1
+        if self.filling is not None and self.filling.slot != len(self.rows):  # keep it right after the rows
+            fill, dst = self.filling, len(self.rows)
+            self.cache.move(fill.slot, dst)
+            fill.slot = fill.prefill.slot = fill.req.cache.slot = dst

@@ -135,6 +135,8 @@ class Block(nn.Module):
     output projections start at zero, so a fresh block is the identity.
     """
 
+    native = True  # drafting may run the C++ twin (``_native_block``); False for blocks of another arithmetic
+
     def __init__(self, s: BlockShape, input_norm: bool = True):
         super().__init__()
         self.shape = s
@@ -156,7 +158,7 @@ class Block(nn.Module):
         ``kern``: ``decode_kernels()`` (drafting) instead of the modules; ``tables``: pos's
         ``rope_tables`` when the caller has them."""
         s, a = self.shape, self.self_attn
-        y = self.input_layernorm(x) if self.input_layernorm is not None else x
+        y = self.attn_input(x)
         lead = x.shape[:-1]
         if kern is not None:
             q, k, v = kern["qkv"](y.contiguous()).split(
@@ -169,8 +171,17 @@ class Block(nn.Module):
         cos, sin = tables if tables is not None else rope_tables(pos, s.head_dim, s.rope_theta)
         return rope_apply(q, cos, sin), rope_apply(k, cos, sin), v
 
+    def attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What q / k / v are projected from: norm1(x), or x without norm1."""
+        return self.input_layernorm(x) if self.input_layernorm is not None else x
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream the attention output is added to: the input itself."""
+        return x
+
     def finish(self, x: torch.Tensor, attn: torch.Tensor, kern: dict | None = None) -> torch.Tensor:
         """x (..., d) the block input, attn (..., H, D) the attention output -> block output."""
+        x = self.residual(x)
         if kern is None:
             r = x + self.self_attn.o_proj(attn.flatten(-2))
             return r + self.mlp(self.post_attention_layernorm(r))
@@ -231,7 +242,7 @@ class Block(nn.Module):
         kv.reserve_rows(at + P)
         cos, sin = rope_tables(pos, s.head_dim, s.rope_theta, top)
         kern = None if torch.is_grad_enabled() else self.decode_kernels()  # with autograd: the modules
-        block = _native_block(self, kern)
+        block = _native_block(self, kern) if self.native else None
         if block is not None:
             return block.forward(x, cos, sin, kv.kbuf, kv.vbuf, at, mask)
         q, kv.kbuf[at:at + P], kv.vbuf[at:at + P] = self.qkv(x, pos, kern, (cos, sin))

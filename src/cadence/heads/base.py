@@ -31,7 +31,7 @@ from cadence.heads.policy import DraftPolicy
 class HeadConfig:
     """Shape and identity of a set of heads; saved as config.json next to the weights."""
 
-    kind: str  # "medusa" | "hydra" | "mtp" | "eagle" | "mtp-attn"
+    kind: str  # "medusa" | "hydra" | "mtp" | "eagle" | "eagle3" | "mtp-attn"
     num_heads: int  # K: how many tokens after the backbone's own are drafted
     hidden_size: int  # backbone d_model
     vocab_size: int  # backbone vocabulary
@@ -49,11 +49,14 @@ class HeadConfig:
     # eagle: backbone decoder layers (1-based) whose outputs the drafter also reads at level 1,
     # EAGLE-3-style feature fusion; [] = the last layer's state only (EAGLE-1)
     taps: list[int] = field(default_factory=list)
+    # eagle3: rows of the drafter's own LM head (its draft vocabulary); 0 = the whole vocabulary
+    draft_vocab_size: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if not d["taps"]:  # added later: configs without taps stay as they were
-            d.pop("taps")
+        for k in ("taps", "draft_vocab_size"):  # added later: configs without them stay as they were
+            if not d[k]:
+                d.pop(k)
         return d
 
 

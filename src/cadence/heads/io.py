@@ -14,19 +14,20 @@ from cadence.errors import CadenceError
 from cadence.heads.base import DraftHeads, HeadConfig
 from cadence.heads.policy import load_policy, save_policy
 
-KINDS = ("medusa", "hydra", "mtp", "eagle", "mtp-attn")
-ATTENTION_KINDS = ("eagle", "mtp-attn")  # heads with their own KV cache over the request's context
+KINDS = ("medusa", "hydra", "mtp", "eagle", "eagle3", "mtp-attn")
+ATTENTION_KINDS = ("eagle", "eagle3", "mtp-attn")  # heads with their own KV cache over the request's context
 
 
 def head_class(kind: str) -> type[DraftHeads]:
     from cadence.heads.hydra import HydraHeads
     from cadence.heads.medusa import MedusaHeads
     from cadence.heads.eagle import EagleHeads
+    from cadence.heads.eagle3 import Eagle3Heads
     from cadence.heads.mtp import MTPHeads
     from cadence.heads.mtp_attn import MTPAttnHeads
 
     table = {"medusa": MedusaHeads, "hydra": HydraHeads, "mtp": MTPHeads, "eagle": EagleHeads,
-             "mtp-attn": MTPAttnHeads}
+             "eagle3": Eagle3Heads, "mtp-attn": MTPAttnHeads}
     if kind not in table:
         raise CadenceError(f"unknown head type {kind!r}; choose one of {', '.join(KINDS)}")
     return table[kind]
@@ -53,11 +54,16 @@ def new_heads(kind: str, backbone, num_heads: int = 3, random: bool = False, see
         raise CadenceError("need at least one head")
     if kind in ATTENTION_KINDS:
         extra = {**attention_shape(backbone), **extra}
+    if kind == "eagle3" and not extra.get("taps"):  # low / mid / high, as vLLM and SGLang default
+        from cadence.heads.eagle3 import default_taps
+        extra["taps"] = default_taps(int(backbone.config.num_hidden_layers))
     cfg = HeadConfig(kind=kind, num_heads=num_heads, hidden_size=backbone.hidden_size,
                      vocab_size=backbone.vocab_size, backbone=backbone.name, **extra)
     heads = head_class(kind)(cfg)
     if random:
         heads.randomize_(torch.Generator().manual_seed(seed))
+    elif hasattr(heads, "init_from_backbone"):  # eagle3: starts from the backbone's own head
+        heads.init_from_backbone(backbone)
     return heads.bind(backbone)
 
 

@@ -38,11 +38,13 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def multi_engine(engine, batching: Batching, max_batch: int, narrow: NarrowFlags | None = None):
+def multi_engine(engine, batching: Batching, max_batch: int, narrow: NarrowFlags | None = None,
+                 prefill_chunk: int = 0):
     """The ``MultiEngine`` over ``engine``: ``serial`` (any backbone), ``batched``
-    (``cadence.batch.engine.BatchEngine`` with ``narrow``'s settings; a clear error while
-    it is missing or refuses this backbone) or ``auto`` (batched where it works, else
-    serial). Narrowing flags set on a serial engine are reported as ignored (stderr)."""
+    (``cadence.batch.engine.BatchEngine`` with ``narrow``'s settings and chunked prefill of
+    ``prefill_chunk`` tokens a step; a clear error while it is missing or refuses this
+    backbone) or ``auto`` (batched where it works, else serial). Narrowing flags set on a
+    serial engine are reported as ignored (stderr); the serial engine prefills whole prompts."""
     narrow = narrow or NarrowFlags()
     batching = Batching(batching)
     if batching is Batching.SERIAL:
@@ -55,7 +57,8 @@ def multi_engine(engine, batching: Batching, max_batch: int, narrow: NarrowFlags
         raise CadenceError(f"--batching batched needs cadence.batch.engine, which this install lacks "
                            f"({exc}); use --batching serial") from exc
     try:
-        return BatchEngine.from_engine(engine, max_batch=max_batch, narrow=narrow.config())
+        return BatchEngine.from_engine(engine, max_batch=max_batch, narrow=narrow.config(),
+                                       prefill_chunk=prefill_chunk)
     except CadenceError:
         if batching is Batching.AUTO:
             return _serial(engine, max_batch, narrow)
@@ -91,7 +94,7 @@ def build(args: argparse.Namespace):
     defaults = from_args(GenerationConfig, args)  # validated now: bad defaults exit 2
     backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant)
     engine = make_engine(backbone, spec)
-    multi = multi_engine(engine, conf.batching, conf.max_batch, narrow)
+    multi = multi_engine(engine, conf.batching, conf.max_batch, narrow, conf.prefill_chunk)
     settings = AppSettings(model_name=conf.served_model_name or backbone.name, max_queue=conf.max_queue,
                            defaults=defaults, spec=spec if spec.method.value != "vanilla" else None,
                            api_key=conf.api_key, public_health=conf.public_health,

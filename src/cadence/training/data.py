@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
-from cadence.prompts import PromptItem, held_out, prompt_hash
+from cadence.prompts import PromptItem, held_out, item_hash
 
 VAL_PERCENT = 3  # share of distilled sequences kept for the trainer's held-out evaluation
 MANIFEST = "manifest.json"
@@ -54,8 +54,9 @@ class DistillConfig:
         "help": "store directory (created; an existing store is appended to)"})
     sources: list[str] = field(default_factory=lambda: ["sharegpt", "gsm8k", "code", "writing", "sharegpt-turns",
                                                         "code-packages"], metadata={
-        "help": "sharegpt | gsm8k | code | writing | sharegpt-turns | code-packages | path.jsonl "
-                "(see cadence.training.sources)"})
+        "help": "sharegpt | gsm8k | code | writing | sharegpt-turns | code-packages | translation | summarize | "
+                "extract | chat-context | passage-qa | roleplay | stem | humanities | broad (the last eight) | "
+                "path.jsonl (see cadence.training.sources)"})
     mode: str = field(default="generate", metadata={
         "help": "generate: backbone writes replies; reference: use the source's own replies (no generation)"})
     max_prompts: int = field(default=0, metadata={
@@ -139,6 +140,21 @@ def read_shard(path: str | Path) -> dict:
         if k not in data:
             raise CadenceError(f"shard {path} lacks tensor {k!r}")
     return data
+
+
+def encode_item(backbone, item: PromptItem) -> list[int]:
+    """Prompt ids of an item, chat-templated: ``backbone.encode_prompt`` for a single user
+    turn; the whole conversation (``item.messages()``, system message and earlier turns
+    included) ending with the assistant's header when the item has earlier messages."""
+    if not item.history:
+        return backbone.encode_prompt(item.prompt, chat=True)
+    tok = backbone.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise CadenceError(f"prompt {item.key} has earlier turns, but the backbone has no chat template")
+    ids = tok.apply_chat_template(item.messages(), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def iter_sequences(data: dict) -> Iterator[tuple[torch.Tensor, int]]:
@@ -351,12 +367,13 @@ class _DistillRun:
         for src, it in items:
             if start + pending >= limit:
                 return
-            h = prompt_hash(it.prompt)
+            h = item_hash(it)
             if h in done:
                 continue
             done.add(h)
             pending += 1
-            ids = self.backbone.encode_prompt(it.prompt, chat=True) if len(it.prompt) <= 16 * cfg.max_prompt_tokens else None
+            chars = sum(len(t) for t in it.texts())
+            ids = encode_item(self.backbone, it) if chars <= 16 * cfg.max_prompt_tokens else None
             if ids is None or len(ids) > cfg.max_prompt_tokens:
                 self.skipped.append(h)
                 continue

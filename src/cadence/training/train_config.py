@@ -24,7 +24,7 @@ class TrainConfig:
                 "Default: the self-distilled store, which beat reference replies (docs/ablations.md)"})
     out: str = field(default="runs/train", metadata={
         "help": "output directory: checkpoint.pt, train_log.jsonl, summary.json, heads/"})
-    kind: str = field(default="hydra", metadata={"help": "head type: medusa | hydra | mtp | eagle | mtp-attn"})
+    kind: str = field(default="hydra", metadata={"help": "head type: medusa | hydra | mtp | eagle | eagle3 | mtp-attn"})
     num_heads: int = field(default=3, metadata={
         "help": "K, heads drafting tokens 2..K+1 after the backbone's own"})
     num_layers: int = field(default=1, metadata={
@@ -33,7 +33,8 @@ class TrainConfig:
     taps: tuple[int, ...] = field(default=(), metadata={
         "help": "eagle: backbone decoder layers (1-based) the drafter also reads at level 1, EAGLE-3-style "
                 "feature fusion, e.g. --taps 3 15; with --init-from a drafter without taps, their inputs "
-                "start at zero weight. Cached with the hidden states; decoded by the serial engine (not batched, not exportable)"})
+                "start at zero weight. Cached with the hidden states; such eagle drafters are not exportable. eagle3: "
+                "the low / mid / high layers its fc fuses (default 2, L/2, L-3 of L layers)"})
     loss: str = field(default="ce", metadata={"help": "ce | kl | ce+adamtp | kl+adamtp"})
     target: str = field(default="token", metadata={
         "help": "ce target: token (the data token) | backbone (backbone argmax at that position)"})
@@ -137,8 +138,11 @@ def validate(cfg: TrainConfig) -> None:
             raise CadenceError(f"--{name.replace('_', '-')} must not be negative")
     if cfg.num_layers < 1 or (cfg.num_layers > 1 and cfg.kind != "eagle"):
         raise CadenceError("--num-layers must be at least 1, and more than 1 only for eagle heads")
-    if cfg.taps and cfg.kind != "eagle":
-        raise CadenceError("--taps is for eagle heads only")
+    if cfg.taps and cfg.kind not in ("eagle", "eagle3"):
+        raise CadenceError("--taps is for eagle heads only (eagle, eagle3)")
+    if cfg.kind == "eagle3" and L.parse_loss(cfg.loss)[0] != "ce":
+        raise CadenceError("eagle3 trains its own LM head with --loss ce (or ce+adamtp): a kl teacher through "
+                           "the backbone's LM head does not fit a drafter with its own head")
     if list(cfg.taps) != sorted(set(cfg.taps)) or any(j < 1 for j in cfg.taps):
         raise CadenceError(f"--taps {list(cfg.taps)} must be increasing decoder layers (1-based)")
     if cfg.max_len < cfg.num_heads + 3:

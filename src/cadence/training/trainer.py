@@ -169,6 +169,11 @@ class _Run:
             backbone = load_backbone(cfg.model, cfg.dtype, str(self.accelerator.device))
         backbone.requires_grad_(False)
         self.backbone = backbone
+        if cfg.kind == "eagle3" and not cfg.taps:  # its fc fuses low / mid / high layers by default
+            from dataclasses import replace
+
+            from cadence.heads.eagle3 import default_taps
+            self.cfg = cfg = replace(cfg, taps=tuple(default_taps(int(backbone.config.num_hidden_layers))))
         base_loss, adamtp = L.parse_loss(cfg.loss)
         self.need_argmax = (base_loss == "ce" and cfg.target == "backbone") or cfg.eval_target == "backbone"
         self.eval_target = _eval_target(cfg, base_loss == "ce" and cfg.target == "backbone")
@@ -271,11 +276,14 @@ class _Run:
         cfg, dev, inner, backbone = self.cfg, self.accelerator.device, self.inner, self.backbone
         vocab_map = self.vocab_map
         sub = vocab_map is not None  # a draft vocabulary (and, with it, the context vocabulary)
+        own = getattr(inner, "own_lm_head", False)  # eagle3: its own norm and LM head, trained with it
         self.spec = L.LossSpec(cfg.loss, cfg.target, cfg.teacher, cfg.loss_lambda, cfg.loss_chunk,
-                               vocab_map.to(dev) if sub else None, cfg.context_vocab and sub,
-                               backbone.lm_head.weight.detach().to(dev) if sub else None)
+                               vocab_map.to(dev) if sub else None, cfg.context_vocab and sub and not own,
+                               backbone.lm_head.weight.detach().to(dev) if sub and not own else None)
         # the frozen LM head: an nn.Linear takes the fused loss path (see losses.fused_loss)
-        if vocab_map is not None:
+        if own:  # a callable: the checkpointed path, whose gradient reaches the drafter's head
+            loss_head = self.eval_lm = inner.draft_logits
+        elif vocab_map is not None:
             loss_head = nn.Linear(backbone.hidden_size, len(inner.draft_vocab), bias=False).to(dev)
             loss_head.weight.data = backbone.lm_head.weight.detach()[inner.draft_vocab.to(dev)]
             loss_head.weight.requires_grad_(False)
