@@ -251,9 +251,12 @@ def test_quant_auto_takes_gguf_only_where_it_applies(tmp_path):
     from cadence.errors import CadenceError
     from cadence.fast.model import FastBackbone, resolve_quant
 
+    from cadence.fast import gguf as gguf_module
+
     model, tok, path = gguf_model(tmp_path)
     cpu = torch.device("cpu")
-    assert resolve_quant("auto", cpu, torch.float32, path)[0] == "gguf"
+    assert resolve_quant("auto", cpu, torch.float32, path)[0] == ("gguf" if gguf_module.AUTO else "none")
+    assert resolve_quant("gguf", cpu, torch.float32, path)[0] == "gguf"
     quant, why = resolve_quant("auto", cpu, torch.bfloat16, path)
     assert quant == "none" and "float32" in why
     assert resolve_quant("auto", cpu, torch.float32, None)[0] == "none"

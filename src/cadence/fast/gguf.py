@@ -34,6 +34,10 @@ import numpy as np
 import torch
 
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
+# whether ``--quant auto`` takes ``gguf`` where it can run: not yet. On the AMX Xeon limited to
+# AVX2 (2026-12-06, ``benchmarks/kernels/gguf_cost.py``) a one-row product cost 3-4x oneDNN's fp32
+# one (its per-call decoding of every block to fp32 dominates), so dense fp32 stays the default
+AUTO = False
 BLOCK_TYPES = {F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}  # read as blocks by ``q_linear``
 NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}

@@ -78,6 +78,10 @@ def auto_quant(dtype: str) -> tuple[str, str]:
         return "none", f"{dtype} kernels (gguf products are fp32; the bf16 ones were faster on the AMX Xeon)"
     if not native.enabled():
         return "none", "the native extension is off (CADENCE_NATIVE=0)"
+    from cadence.fast.gguf import AUTO
+
+    if not AUTO:
+        return "none", "dense fp32 (the gguf kernel measured slower at 1 row; --quant gguf forces it)"
     return "gguf", ("fp32 on the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks for a GGUF model (lossless relative to "
                     "the file), dense fp32 for other models")
 
