@@ -17,12 +17,14 @@ from cadence.batch.engine import BatchEngine
 from cadence.batch.layout import pack
 from cadence.batch.narrow import MAX_NODES, BatchLatency, CappedScheduler, NarrowConfig, Narrowing, prune
 from cadence.context_copy import CopyConfig
+from cadence.dynamic_tree import DynamicTree
 from cadence.drafter import HeadDrafter
 from cadence.engine import Engine, GenerationConfig
 from cadence.errors import CadenceError
 from cadence.fast.model import FastBackbone
 from cadence.heads import new_heads
 from cadence.schedulers import StaticScheduler
+from cadence.schedulers.dynamic import DynamicScheduler
 from cadence.trees import compile_tree
 
 K = 3
@@ -311,6 +313,37 @@ def test_capped_scheduler_passes_through():
     capped.cap = 100
     assert capped.choose(None).tree is inner.plan.tree
     assert capped.plan is inner.plan  # the wrapped scheduler's attributes
+
+
+def test_the_cap_binds_dynamic_trees_too(fllama):
+    """A dynamic plan (the drafter grows the tree; its nominal tree is the root alone) gets
+    its node budget lowered to the cap, or becomes the root alone at cap 1; in the batched
+    engine with narrowing to the root, dynamic rows verify one node a step and still equal
+    plain decoding. (Before, dynamic trees ignored the cap: narrowing did nothing for the
+    default scheduler.)"""
+    spec = DynamicTree(topk=3, max_nodes=16)
+    capped = CappedScheduler(DynamicScheduler(spec))
+    capped.cap = 5
+    plan = capped.choose(None)
+    assert plan.dynamic.max_nodes == 4 and spec.max_nodes == 16
+    capped.cap = 1
+    plan = capped.choose(None)
+    assert plan.dynamic is None and plan.tree.size == 1
+    capped.cap = 100
+    assert capped.choose(None).dynamic.max_nodes == 16
+    bb = fllama
+    heads = new_heads("hydra", bb, K, random=True, seed=2)
+    drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
+    cfg = GenerationConfig(max_new_tokens=20)
+    ids = [bb.encode_prompt(p, chat=False) for p in PROMPTS[:3]]
+    for mode, most in (("root", 1), ("none", 17)):
+        be = BatchEngine(bb, drafter, lambda sampling: DynamicScheduler(spec), max_batch=3,
+                         narrow=NarrowConfig(mode=mode, measured=False))
+        toks, _, last, order = run(be, {0: [(i, cfg, None) for i in ids]})
+        nodes = [info.nodes for r in order for info in last[r].stats.step_log[1:]]  # after each row's first step
+        assert max(nodes) <= most and (mode == "root" or max(nodes) > 1)
+        for k, rid in enumerate(order):
+            assert toks[rid] == plain(bb, ids[k], cfg).tokens, k
 
 
 def test_row_at_the_position_limit_beside_a_big_tree(fllama):

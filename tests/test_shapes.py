@@ -106,3 +106,30 @@ def test_shapes_script_json_on_a_tiny_shape(tmp_path):
     assert curve["sizes"][0] == 1 and len(curve["sizes"]) == len(curve["seconds"])
     assert result["llama_cpp"]["status"].startswith("skipped")
     assert json.loads(proc.stdout)["shape"]["name"] == "tiny"
+
+
+def _curve_file(tmp_path, name: str, per_node: float, draft_s: float = 0.002) -> Path:
+    sizes = list(range(1, 65))
+    seconds = [0.1 * (1 + per_node * (n - 1)) for n in sizes]
+    entry = {"curve": {"sizes": sizes, "seconds": seconds, "context": 200}, "chains_only": False,
+             "draft_s": {"hydra": draft_s, "mtp": draft_s, "eagle": draft_s}}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"by_dtype": {"bfloat16": entry}}))
+    return path
+
+
+def test_predictions_from_a_curve_file_need_no_backbone(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "analysis"))
+    import entmtp_bound
+
+    flat = entmtp_bound.curve_predictions(_curve_file(tmp_path, "flat", 0.002), "bfloat16")
+    steep = entmtp_bound.curve_predictions(_curve_file(tmp_path, "steep", 0.2), "bfloat16")
+    assert set(flat) == {"hydra", "mtp", "eagle-taps"}
+    for method in flat:
+        f, s = flat[method]["general+copy"], steep[method]["general+copy"]
+        assert f["static_speedup"] > s["static_speedup"] >= 1.0  # cheap verification: bigger trees pay more
+        assert f["static_nodes"] > s["static_nodes"]
+        assert all(r["bound"] >= 1.0 for r in flat[method].values())
+    latency, drafts, chains_only, dtype = entmtp_bound.curve_from_file(_curve_file(tmp_path, "x", 0.05))
+    assert dtype == "bfloat16" and latency(1) == pytest.approx(0.1) and drafts["hydra"] == 0.002 and not chains_only

@@ -167,3 +167,32 @@ def test_distill_stores_conversations_with_their_turns(tmp_path):
             assert data["meta"]["prompt_hashes"][i] == item_hash(it)
     again = D.run_distill(cfg, backbone=bb, items=items)  # resuming: nothing asked twice
     assert again["prompts_done"] == 3 and again["sequences"] == 3
+
+
+def test_sigterm_inside_a_broad_except_still_stops_the_run(tmp_path, monkeypatch):
+    """The batch engine retries a failed step row by row under ``except Exception``; the
+    SIGTERM stop must get through it, and the finished sequences must be written."""
+    import signal
+
+    from tiny import tiny_backbone
+
+    from cadence.training import data as D
+
+    bb = tiny_backbone("llama")
+    real, calls = D.generate_batch, []
+
+    def stopped_mid_step(backbone, prompts, cfg):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            try:
+                D._on_term(signal.SIGTERM, None)  # what the handler does when the signal arrives
+            except Exception:  # noqa: BLE001 - a retrying wrapper, as the engine's
+                pass
+        return real(backbone, prompts, cfg)
+
+    monkeypatch.setattr(D, "generate_batch", stopped_mid_step)
+    items = [("s", PromptItem(key=f"k{i}", prompt=f"question {i}?")) for i in range(6)]
+    cfg = D.DistillConfig(out=str(tmp_path / "store"), max_new_tokens=2, batch_size=2, shard_prompts=8,
+                          device="cpu", backend="transformers")
+    m = D.run_distill(cfg, backbone=bb, items=items)
+    assert len(calls) == 2 and m["prompts_done"] == 2 and m["sequences"] == 2

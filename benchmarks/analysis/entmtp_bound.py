@@ -178,7 +178,7 @@ def main() -> None:
         name, copy = key.removesuffix("+copy"), key.endswith("+copy")
         print(f"| {name} | {'yes' if copy else 'no'} | {r['static_nodes']} | {r['static_speedup']:.2f}x | {r['bound']:.3f} |")
     t1 = policy.latency(1)
-    print(f"\nThis machine: T(16)/T(1) {policy.latency.ratio(16):.2f}, T(32)/T(1) {policy.latency.ratio(32):.2f}; "
+    print(f"\n{'Curve file' if args.curve else 'This machine'}: T(16)/T(1) {policy.latency.ratio(16):.2f}, T(32)/T(1) {policy.latency.ratio(32):.2f}; "
           f"draft {policy.draft_s * 1e3:.2f} ms per level.\n"
           "| synthetic slope | T(16)/T(1) | lowest bound | highest bound |\n|---:|---:|---:|---:|")
     for slope in args.slopes:

@@ -16,7 +16,8 @@ One ``step()``:
      (``cadence.batch.prefill``), one request at a time, and a request joins the running
      rows once its whole prompt is in (the slot after theirs holds it meanwhile);
   2. every running row drafts its step (``Request.begin_step``) with its tree capped at
-     ``narrow.cap(B)`` nodes; a row whose root alone ends it (EOS, last token of its
+     ``narrow.cap(B)`` nodes, or 1 (the root alone) where whole steps at B rows measured faster
+     that way (``step_rates``); a row whose root alone ends it (EOS, last token of its
      budget) commits without a forward and leaves;
   3. one ``FastBackbone.forward_rows`` over the B rows' padded trees (logits only for
      real nodes);
@@ -52,6 +53,7 @@ from cadence.batch.api import Event, failed
 from cadence.batch.layout import pack
 from cadence.batch.narrow import MAX_NODES, CappedScheduler, NarrowConfig, Narrowing
 from cadence.batch.prefill import Prefill
+from cadence.batch.step_rates import ROOT, SPECULATE, StepRates
 from cadence.engine import Engine, GenerationConfig, PendingStep, Request, drafter_states
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
@@ -103,6 +105,9 @@ class BatchEngine:
             from cadence.batch.narrow import load_or_measure
             latency = load_or_measure(backbone, verbose=True)
         self.narrowing = Narrowing(self.narrow_cfg, latency, draft_s, drafter.num_heads if drafter else 1)
+        cfg = self.narrow_cfg
+        self.step_rates = StepRates() if drafter is not None and cfg.mode == "auto" and cfg.measured else None
+        self._mode = SPECULATE  # this step's choice (step_rates)
         self.cache = backbone.new_batch_cache(max_batch, capacity=INITIAL_CAPACITY)
         self.cache.max_positions = backbone.max_positions + MAX_NODES  # room for padded dummy nodes
         self.rows: list[_Row] = []  # running; rows[i].slot == i
@@ -173,6 +178,10 @@ class BatchEngine:
         verification or commit raises, or the batched forward fails on it alone) ends with
         an error event (``api.failed``); the others go on as if it had never run."""
         events = self._admit()
+        t0, batch, done = time.perf_counter(), len(self.rows), len(events)
+        self._mode = SPECULATE
+        if self.step_rates is not None and batch >= self.narrow_cfg.min_batch:
+            self._mode = self.step_rates.mode(batch)
         jobs: dict[int, PendingStep] = {}
         for row in list(self.rows):
             try:
@@ -188,6 +197,9 @@ class BatchEngine:
             self._leave(row)
         if self.rows:
             events.extend(self._verify([(row, jobs[row.rid]) for row in self.rows]))
+        if self.step_rates is not None and batch >= self.narrow_cfg.min_batch:
+            self.step_rates.record(batch, self._mode, sum(len(ev.tokens) for ev in events[done:]),
+                                   time.perf_counter() - t0)
         return events
 
     # -- internals ---------------------------------------------------------------------------
@@ -244,6 +256,8 @@ class BatchEngine:
         copying = getattr(self.drafter, "copy", None) is not None
         table = self.tree_policy.table(copying) if self.tree_policy is not None else None
         sched.cap = self.narrowing.cap(len(self.rows), table, self.drafter.max_depth(sampling))
+        if self._mode == ROOT:
+            sched.cap = 1
 
     def _verify(self, work: list[tuple[_Row, PendingStep]]) -> list[Event]:
         """One forward over every row's tree, then each row verifies and commits. Should the

@@ -60,6 +60,9 @@ class NarrowConfig:
                 f"{MAX_NODES})"})
     margin: float = field(default=0.05, metadata={
         "help": "auto: speculation must beat the root alone by this expected fraction"})
+    measured: bool = field(default=True, metadata={
+        "help": "auto: also time whole batched steps, speculating and not, per batch size, and run the root "
+                "alone at a batch size where that measures faster (cadence.batch.step_rates)"})
 
     def __post_init__(self):
         if self.mode not in ("auto", "none", "root"):
@@ -131,15 +134,25 @@ def prune(tree: CompiledTree, size: int) -> CompiledTree:
     return compile_tree(ranked, name=f"{tree.name}^{size}")
 
 
+ROOT_TREE = compile_tree([], name="root")  # the root alone: no drafts
+
+
 class CappedScheduler:
     """A row's scheduler with its plans cut to ``cap`` nodes (set by the batch engine each
-    step). What the scheduler observes is the step that ran, so it keeps learning."""
+    step): a static tree is pruned, a dynamic tree's node budget lowered (cap 1: the root
+    alone). What the scheduler observes is the step that ran, so it keeps learning."""
 
     def __init__(self, inner):
         self.inner, self.cap = inner, MAX_NODES
 
     def choose(self, state: StepState) -> Plan:
         plan = self.inner.choose(state)
+        if plan.dynamic is not None:  # a tree the drafter grows itself: cap its node budget
+            if self.cap <= 1:
+                return replace(plan, tree=ROOT_TREE, dynamic=None)
+            budget = self.cap - 1  # draft nodes, the root excluded
+            if plan.dynamic.max_nodes > budget:
+                plan = replace(plan, dynamic=replace(plan.dynamic, max_nodes=budget))
         if plan.tree.size <= self.cap:
             return plan
         return replace(plan, tree=prune(plan.tree, self.cap))

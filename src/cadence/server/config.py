@@ -127,6 +127,7 @@ class NarrowFlags:
     narrow_min_batch: int = field(default=NarrowConfig.min_batch, metadata=_narrow("min_batch"))
     narrow_max_nodes: int = field(default=NarrowConfig.max_nodes, metadata=_narrow("max_nodes"))
     narrow_margin: float = field(default=NarrowConfig.margin, metadata=_narrow("margin"))
+    narrow_measured: bool = field(default=NarrowConfig.measured, metadata=_narrow("measured"))
 
     def __post_init__(self):
         try:
@@ -142,7 +143,8 @@ class NarrowFlags:
 
     def config(self) -> NarrowConfig:
         return NarrowConfig(mode=self.narrow_mode.value, min_batch=self.narrow_min_batch,
-                            max_nodes=self.narrow_max_nodes, margin=self.narrow_margin)
+                            max_nodes=self.narrow_max_nodes, margin=self.narrow_margin,
+                            measured=self.narrow_measured)
 
     @property
     def is_default(self) -> bool:

@@ -223,8 +223,10 @@ def reference_batch(backbone, items: list[PromptItem]) -> list[list[int]]:
     return out
 
 
-class _Stop(Exception):
-    """Raised by the SIGTERM handler: flush what is finished, then stop."""
+class _Stop(BaseException):
+    """Raised by the SIGTERM handler: flush what is finished, then stop. A BaseException, as
+    KeyboardInterrupt is: the batch engine retries failed steps row by row under ``except
+    Exception``, which would otherwise swallow the stop and go on decoding."""
 
 
 def _log(msg: str) -> None:
