@@ -1,5 +1,8 @@
 """How far is a quantized backbone from the unquantized one? cadence's --quant int8 / int4
-against llama.cpp's GGUF (Q4_1 for the default model), on the bench prompts.
+against llama.cpp's GGUF (Q4_1 for the default model), on the bench prompts; with
+``--dtype float32 --quants gguf``, how far fp32 products on the GGUF file's own blocks are from
+fp32 products on the same weights dequantized (the same weights, other summation orders: any
+difference is float rounding).
 
 The reference is the unquantized model (``--dtype``, default auto: bf16 on CPUs with native
 bf16) decoding each prompt greedily. Every model then reads the prompt and that reply in
@@ -14,7 +17,8 @@ where a batched forward and one-token decoding round differently). llama.cpp get
 token ids (``llama_cpp.Llama(logits_all=True)``, its ``eval``) and is skipped when
 ``llama_cpp`` is not importable. Speed is not measured here (``cadence bench --quant``).
 
-Usage:  python benchmarks/analysis/quant_quality.py [--quants int8 int4] [--limit 4] [--max-new-tokens 128]
+Usage:  python benchmarks/analysis/quant_quality.py [--quants int8 int4 gguf] [--dtype float32] [--limit 4]
+            [--max-new-tokens 128]
             [--out runs/quant-quality-<cpu>.json]
 """
 

@@ -15,6 +15,7 @@
 Usage:  python benchmarks/kernels/verify_cost.py [--model smollm2] [--context 200] [--reps 7]
             [--max-new-tokens 128] [--dtypes float32 bfloat16] [--skip-generate] [--shape chain]
             [--kernels auto onednn]  (more than one: the fast path with each, interleaved in one run)
+            [--quant gguf] [--quants none]  (the fast path's --quant; --quants: more fast paths in the run)
 Writes runs/verify-cost-<cpu>[-chain].json (or --out) and prints markdown tables.
 """
 
@@ -129,11 +130,15 @@ def engine_vanilla(bb):
     return run
 
 
-def decode_speed(hf_bb, fast_bb, max_new: int) -> dict:
+def decode_speed(hf_bb, fast_bb, max_new: int, others: dict | None = None) -> dict:
     runners = {"transformers generate": (hf_bb, hf_generate), "fast greedy loop": (fast_bb, greedy_loop)}
     eng = engine_vanilla(fast_bb)
     if eng is not None:
         runners["fast engine vanilla"] = (fast_bb, eng)
+    for name, bb in (others or {}).items():  # the other fast paths' engines, interleaved with the rest
+        eng = engine_vanilla(bb)
+        if eng is not None:
+            runners[f"{name} engine vanilla"] = (bb, eng)
     prompts = [hf_bb.encode_prompt(p, chat=True) for p in PROMPTS]
     for bb, fn in runners.values():  # warm-up
         fn(bb, prompts[0], 8)
@@ -170,6 +175,9 @@ def main():
     ap.add_argument("--shape", choices=["binary", "chain"], default="binary", help="tree shape timed")
     ap.add_argument("--kernels", nargs="+", default=["auto"],
                     help="fast-path projection kernels timed side by side (fast.kernels.KINDS), e.g. auto onednn")
+    ap.add_argument("--quant", default="none", help="the fast path's --quant (none, int8, int4, gguf, auto)")
+    ap.add_argument("--quants", nargs="*", default=[],
+                    help="more fast paths with these --quant values, timed side by side (e.g. none gguf)")
     ap.add_argument("--out", default=None, help="default runs/verify-cost-<cpu>[-chain].json")
     args = ap.parse_args()
     dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
@@ -180,15 +188,16 @@ def main():
     print(f"Machine: {common.machine_line(info)}; CPU features {cpu_features()}\n")
     for dt in dtypes:
         hf = common.backbone(args.model, dt, backend="transformers")
-        fast = common.backbone(args.model, dt, backend="fast")
+        fast = common.backbone(args.model, dt, backend="fast", quant=args.quant)
         others = {f"fast-{k}": FastBackbone.from_backbone(common.backbone(args.model, dt, backend="transformers"),
                                                           kernel=k) for k in args.kernels[1:]}
-        entry = {"fast_kernel": fast.kernel, "fast_resident_bytes": fast.resident_bytes(),
+        others.update({f"fast-quant-{q}": common.backbone(args.model, dt, backend="fast", quant=q) for q in args.quants})
+        entry = {"fast_kernel": fast.kernel, "fast_quant": fast.quant, "fast_resident_bytes": fast.resident_bytes(),
                  "curve": curve({"transformers": hf, "fast": fast, **others}, args.context, args.sizes, args.reps,
                                 binary_tree if args.shape == "binary" else chain)}
         entry["kernels"] = {"fast": fast.kernels, **{name: bb.kernels for name, bb in others.items()}}
         if not args.skip_generate:
-            entry["decode"] = decode_speed(hf, fast, args.max_new_tokens)
+            entry["decode"] = decode_speed(hf, fast, args.max_new_tokens, others)
         result["by_dtype"][dt] = entry
         c = entry["curve"]
         print(f"### {dt} (fast kernel: {fast.kernel}), {args.shape} trees, context {args.context}, "

@@ -166,6 +166,14 @@ def resolve_model_dir(spec: str) -> tuple[Path, str]:
     return path, path.name
 
 
+def gguf_source(spec: str) -> Path | None:
+    """The GGUF file a --model value loads from (the default model's, or a .gguf path), else None."""
+    if spec == DEFAULT_MODEL:
+        return smollm2_gguf_path()
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def cache_kwarg(decoder: nn.Module) -> str:
     """The name under which this transformers decoder takes a KV cache: ``cache`` in
     transformers 5.x, ``past_key_values`` in 4.x (where a ``cache=`` keyword would be
@@ -224,6 +232,7 @@ class Backbone(nn.Module):
             p.requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
+        self.gguf_path: Path | None = None  # the GGUF file the weights were dequantized from, if any (``--quant gguf``)
         cfg = model.config
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
@@ -335,10 +344,12 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
     backend: ``transformers`` runs transformers' own forward; ``fast`` the compact decoder
     of ``cadence.fast`` (Llama/Qwen families; an error for other models); ``auto`` the
     fast one when the model is supported, else transformers. quant: ``none``, ``int8`` or ``int4``
-    (weight-only, fast decoder on CPU only; lossy against the unquantized model)."""
+    (weight-only, fast decoder on CPU only; lossy against the unquantized model), ``gguf``
+    (fp32 on a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks: lossless relative to the file) or
+    ``auto`` (``gguf`` where it applies, else none; ``FastBackbone.quant_reason`` says why)."""
     if backend not in BACKENDS:
         raise CadenceError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if quant != "none" and backend == "transformers":
+    if quant not in ("none", "auto") and backend == "transformers":
         raise CadenceError(f"--quant {quant} needs the fast backend (--backend fast or auto)")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -362,6 +373,7 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
     except Exception:
         tok = None
     backbone = Backbone(model.to(dev), tok, name=name)
+    backbone.gguf_path = gguf_source(spec)
     return _with_backend(backbone, backend, quant)
 
 
@@ -371,6 +383,6 @@ def _with_backend(backbone: Backbone, backend: str, quant: str = "none") -> Back
     architecture is unsupported); ``auto`` does so when supported, else keeps ``backbone``."""
     from cadence.fast import make_fast
 
-    if quant != "none":
+    if quant not in ("none", "auto"):
         return make_fast(backbone, "fast", quant=quant)  # an unsupported model: a clear error
-    return make_fast(backbone, backend)
+    return make_fast(backbone, backend, **({"quant": "auto"} if quant == "auto" else {}))

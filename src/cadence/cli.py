@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+# CADENCE_ISA=avx2|avx512 also needs torch's own switches, which torch reads once at import
+# (``cadence.fast.cpu.ISA_ENV``, the same values; tests/test_gemm_q.py checks they agree):
+# the command line sets them here, before anything imports torch, unless already set
+_ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+            "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
+if "torch" not in sys.modules:
+    for _k, _v in _ISA_ENV.get(os.environ.get("CADENCE_ISA", "").strip().lower(), {}).items():
+        os.environ.setdefault(_k, _v)
 
 from cadence.cliargs import add_fields, from_args
 from cadence.errors import CadenceError
@@ -25,10 +35,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
                    help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "
                         "or auto (fast where supported)")
-    p.add_argument("--quant", default="none", choices=list(QUANTS),
-                   help="int8 | int4: weight-only int8 / 4-bit (groups of 32, like llama.cpp's Q4_1) projections "
-                        "and LM head (fast backend, CPU; LOSSY against the unquantized model, speculation stays "
-                        "identical to plain decoding of the quantized model)")
+    p.add_argument("--quant", default="auto", choices=list(QUANTS),
+                   help="auto (default: gguf where it applies, else none) | gguf: float32 on a GGUF model's own "
+                        "Q4_0 / Q4_1 / Q8_0 blocks (CPU; lossless relative to the file: the weights of the fp32 "
+                        "path, another summation order) | none | int8 | int4: weight-only int8 / 4-bit "
+                        "(groups of 32, like llama.cpp's Q4_1) projections and LM head (fast backend, CPU; LOSSY "
+                        "against the unquantized model, speculation stays identical to plain decoding of the "
+                        "quantized model)")
 
 
 def _generate_parser(sub) -> None:
@@ -87,13 +100,21 @@ def _run_generate(args) -> int:
                               "heads": spec.heads if spec.method.value != "vanilla" else None,
                               "scheduler": getattr(engine, "scheduler_name", None),
                               "lossless": cfg.rule.lossless(cfg.sampling) and not engine.allow_unverified,
-                              **g.stats.summary()}), flush=True)
+                              **_precision(backbone), **g.stats.summary()}), flush=True)
             stats = g.stats
         else:
             stats = _stream(engine, ids, cfg)
         if vanilla is not None:
             _compare(stats, vanilla.generate(ids, cfg), spec)
     return 0
+
+
+def _precision(backbone) -> dict:
+    """dtype, quant (and why) and kernels of the backbone, for --json."""
+    out = {"dtype": str(backbone.dtype).replace("torch.", "")}
+    if hasattr(backbone, "quant"):
+        out.update(quant=backbone.quant, quant_reason=backbone.quant_reason, kernels=backbone.kernels)
+    return out
 
 
 def _stream(engine, ids, cfg):

@@ -18,7 +18,9 @@ from __future__ import annotations
 from cadence.errors import CadenceError
 from cadence.fast.arch import unsupported_reason
 
-QUANTS = ("none", "int8", "int4")  # --quant: weight-only quantization of the fast decoder (``kernels``)
+# --quant: weight-only int8 / int4 of the fast decoder (``kernels``), a GGUF's own blocks (``gguf``),
+# or ``auto`` (``gguf`` where the model is a GGUF of block types it reads and the dtype is fp32)
+QUANTS = ("none", "int8", "int4", "gguf", "auto")
 
 
 def make_fast(backbone, backend: str = "auto", **kwargs):

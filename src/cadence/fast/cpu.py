@@ -10,6 +10,14 @@ the libraries' own switches, ``ATEN_CPU_CAPABILITY=avx2`` (torch's vectorised ke
 ``ONEDNN_MAX_CPU_ISA=AVX2`` (oneDNN's GEMMs) and ``MKL_ENABLE_INSTRUCTIONS=AVX2`` (MKL's). With both set, an AVX-512 machine runs the
 instruction set of an AVX2-only one (not its caches, clocks or memory), and every choice
 made here follows: e.g. ``native_bf16()`` is False, so ``--dtype auto`` is fp32.
+
+``CADENCE_ISA=avx2|avx512`` narrows cadence's own view the same way: ``cpu_flags`` reports
+only the flags of that instruction set (``-march=haswell``: AVX2, FMA, F16C; or
+``-march=skylake-avx512``: AVX-512 F/CD/BW/DQ/VL, no BF16, VNNI or AMX), and the native
+extension is built for it under its own name (``cadence.fast.native``). torch's kernels
+read their own switches once, when torch is imported, so the process must have
+``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` set to match before that
+(``isa_env``; ``isa_mismatch`` says what is missing; ``cadence env`` prints it).
 """
 
 from __future__ import annotations
@@ -26,9 +34,50 @@ _ONEDNN_BF16 = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX5
 _ONEDNN_AMX = ("AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "ALL", "DEFAULT")
 
 
+ISAS = ("native", "avx2", "avx512")  # CADENCE_ISA values
+# what each forced instruction set compiles for, and the torch / oneDNN levels that match it
+ISA_MARCH = {"native": "native", "avx2": "haswell", "avx512": "skylake-avx512"}
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+           "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
+# flags beyond each forced level (skylake-avx512 has AVX-512 F, CD, BW, DQ and VL only)
+_BEYOND_AVX512 = ("avx512ifma", "avx512vbmi", "avx_vnni", "avx_vnni_int8", "avx_ifma")
+
+
+def isa() -> str:
+    """``CADENCE_ISA``: ``native`` (the default: every instruction the CPU has), ``avx2`` or
+    ``avx512``. An unknown value is an error, not a silent fallback."""
+    value = os.environ.get("CADENCE_ISA", "").strip().lower() or "native"
+    if value not in ISAS:
+        raise ValueError(f"CADENCE_ISA={value!r}: choose one of {', '.join(ISAS)}")
+    return value
+
+
+def isa_env(level: str | None = None) -> dict:
+    """The variables torch must see at import for ``CADENCE_ISA=level`` ({} for native)."""
+    return dict(ISA_ENV.get(level or isa(), {}))
+
+
+def isa_mismatch() -> str | None:
+    """What is wrong with the forced instruction set in this process, or None: a CPU without
+    it, or torch's switches not set as ``isa_env`` says (they are read when torch is imported,
+    so they must be in the process's environment from its start)."""
+    level = isa()
+    if level == "native":
+        return None
+    have = _hardware_flags()
+    need = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")}[level]
+    missing = [f for f in need if f not in have]
+    if missing:
+        return f"CADENCE_ISA={level}: this CPU lacks {', '.join(missing)}"
+    wrong = [f"{k}={v}" for k, v in isa_env(level).items() if os.environ.get(k, "").upper() != v.upper()]
+    if wrong:
+        return (f"CADENCE_ISA={level} needs {' '.join(wrong)} in the environment before torch is imported "
+                f"(torch's own kernels run at {torch.backends.cpu.get_cpu_capability()} now)")
+    return None
+
+
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The ``flags`` line of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+def _hardware_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -36,6 +85,18 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` line of /proc/cpuinfo (empty where there is none, e.g. macOS), narrowed
+    to the instruction set ``CADENCE_ISA`` forces: ``avx2`` drops every AVX-512, AMX and
+    AVX-VNNI flag, ``avx512`` every AVX-512 extension past F/CD/BW/DQ/VL and AMX."""
+    flags, level = _hardware_flags(), isa()
+    if level == "avx2":
+        return frozenset(f for f in flags if not f.startswith(("avx512", "amx", "avx_vnni", "avx_ifma")))
+    if level == "avx512":
+        return frozenset(f for f in flags if not (f.startswith(("avx512_", "amx")) or f in _BEYOND_AVX512))
+    return flags
 
 
 def isa_limits() -> dict:

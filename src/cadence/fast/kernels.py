@@ -27,6 +27,12 @@ Knows: the ways to compute ``x @ W.T + b`` here and when each applies.
   bf16's bytes; its rows do not depend on the other rows either (tested). Needs out % 16 == 0
   and in % INT4_GROUP == 0; a matrix that does not fit falls back to ``int8``. Where it wins
   depends on the CPU: ``benchmarks/kernels/verify_cost.py --quant int4`` measures it.
+- ``gguf``: fp32 activations times weights kept in a GGUF file's own blocks (Q4_0, Q4_1,
+  Q8_0; F16 / F32 rows too) through the native extension's ``q_linear``
+  (``native/gemm_q.cpp``), built by ``Linear.from_blocks`` from ``fast.gguf``. The weights
+  are the file's dequantized values bit for bit (the fp32 path's weights), only the
+  summation order differs from oneDNN's; a row's bits do not depend on the other rows. A
+  Q4_1 projection streams 0.625 bytes per weight instead of fp32's 4.
 Does not know: which weights are fused (``model`` decides) or how long anything takes on a
 machine it has not run on; ``benchmarks/kernels/verify_cost.py`` measures that.
 """
@@ -38,12 +44,12 @@ import torch.nn.functional as F
 
 from cadence.fast.cpu import has_amx, onednn_available
 
-KINDS = ("auto", "amx", "onednn", "onednn-dense", "aten", "int8", "int4")
+KINDS = ("auto", "amx", "onednn", "onednn-dense", "aten", "int8", "int4", "gguf")
 INT4_GROUP = 32  # input weights per scale/minimum pair (llama.cpp's Q4_1 blocks are 32 too)
 # the resolved overload: calling the packet (``torch.ops.mkldnn._linear_pointwise``) picks the
 # overload again on every call, about 4 us each, 121 calls per SmolLM2 forward
 _ONEDNN = torch.ops.mkldnn._linear_pointwise.default if onednn_available() else None
-ROW_FREE = ("amx", "int8", "int4")  # kinds whose rows' bits do not depend on the row count (tested)
+ROW_FREE = ("amx", "int8", "int4", "gguf")  # kinds whose rows' bits do not depend on the row count (tested)
 PACK_ROWS = 8  # oneDNN's batch-size hint when prepacking; measured fastest for 1..32 rows
 
 
@@ -52,6 +58,8 @@ def resolve_kind(kind: str, device: torch.device, dtype: torch.dtype) -> str:
         raise ValueError(f"unknown kernel kind {kind!r}; choose one of {KINDS}")
     if kind in ("int8", "int4"):
         return kind
+    if kind == "gguf":  # weights from ``Linear.from_blocks`` only; ``model`` builds them
+        raise ValueError("kernel 'gguf' is chosen with --quant gguf (fp32, a GGUF model), not as --kernel")
     cpu_ok = device.type == "cpu" and onednn_available() and dtype in (torch.float32, torch.bfloat16)
     amx_ok = device.type == "cpu" and dtype == torch.bfloat16 and amx_available()
     if kind == "amx" and not amx_ok:
@@ -128,6 +136,7 @@ class Linear:
         self.bias = None if bias is None else bias.detach()
         w = weight.detach()
         self.scale = None
+        self.qtype = -1  # gguf: the GGML type of the blocks in ``w``
         if kind == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
             self.dense = None
@@ -148,7 +157,21 @@ class Linear:
             self.w = w.contiguous()
             self.dense = self.w
 
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None) -> Linear:
+        """Kind ``gguf``: blocks (out, row bytes) uint8, row j the file's blocks of output j's
+        weights in GGML type ``qtype`` (``fast.gguf``); bias (out,) fp32 or None."""
+        self = cls.__new__(cls)
+        self.kind, self.swiglu, self.min_rows, self.max_rows = "gguf", False, 1, 0
+        self.out_features, self.in_features = blocks.shape[0], in_features
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.w, self.qtype, self.scale, self.dense = blocks.contiguous(), int(qtype), None, None
+        self._q = _native().q_linear
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gguf":  # any row count: a row's bits do not depend on the others
+            return self._q(x, self.w, self.qtype, self.out_features, self.bias)
         if self.kind == "aten":
             return F.linear(x, self.w, self.bias)
         if self.kind == "amx":  # any row count: a row's bits do not depend on the others
@@ -190,13 +213,15 @@ class Linear:
             return (self.w.float() * self.scale.float()[:, None]).to(self.scale.dtype)
         if self.kind == "int4":
             return dequantize_int4(self.w, self.scale, self.out_features, self.in_features)
+        if self.kind == "gguf":
+            return _native().q_dequantize(self.w, self.qtype, self.in_features)
         if self.kind == "amx":
             w = amx_unpack(self.w, self.out_features, self.in_features)
             return swiglu_rows(w, inverse=True) if self.swiglu else w
         return self.w.to_dense()
 
     def nbytes(self) -> int:
-        n = self.w.numel() * self.w.element_size() if self.kind in ("int4", "amx") else \
+        n = self.w.numel() * self.w.element_size() if self.kind in ("int4", "amx", "gguf") else \
             self.out_features * self.in_features * torch.empty((), dtype=self.w.dtype).element_size()
         n += 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())

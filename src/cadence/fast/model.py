@@ -43,12 +43,48 @@ LISTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)  # head sizes ``listed_attent
 
 def check_quant(quant: str, device: torch.device, dtype: torch.dtype) -> str:
     """``--quant``: none, int8 or int4 (weight-only, CPU: lossy against the unquantized
-    model; speculative output is then compared with plain decoding of the same quantized model)."""
+    model; speculative output is then compared with plain decoding of the same quantized model).
+    ``gguf`` and ``auto`` are resolved by ``resolve_quant``."""
     if quant not in QUANTS:
         raise CadenceError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANTS)}")
     if quant != "none" and device.type != "cpu":
         raise CadenceError(f"--quant {quant} runs on CPU only (weight-only {quant} through torch's CPU kernels)")
     return quant
+
+
+def resolve_quant(quant: str, device: torch.device, dtype: torch.dtype, gguf_path) -> tuple[str, str]:
+    """(the quant that runs, why). ``gguf``: fp32 products on the GGUF file's own blocks
+    (``fast.gguf``; needs a CPU, fp32, a model loaded from a GGUF whose layers hold Q4_0, Q4_1,
+    Q8_0 or F16 matrices, and the native extension), an error where it cannot run. ``auto``:
+    ``gguf`` where it can run, else ``none`` (on a CPU with native bf16, ``--dtype auto`` is
+    bf16, whose AMX / oneDNN kernels were faster than this one on the AMX Xeon, so auto leaves
+    them be). Lossless relative to the file either way: both paths multiply by the file's
+    dequantized weights."""
+    if quant not in ("gguf", "auto"):
+        return check_quant(quant, device, dtype), ""
+    from cadence.fast import gguf
+
+    why_not = None
+    if device.type != "cpu":
+        why_not = "runs on CPU only"
+    elif dtype != torch.float32:
+        why_not = f"computes in float32 and the model is {str(dtype).replace('torch.', '')} (--dtype float32)"
+    elif gguf_path is None:
+        why_not = "needs a model loaded from a GGUF file"
+    elif native.module() is None:
+        why_not = "needs the native extension (CADENCE_NATIVE=0, or its build failed: cadence env)"
+    else:
+        types = gguf.layer_types(gguf_path)
+        if not any(t in gguf.BLOCK_TYPES.values() for t in types):
+            why_not = f"reads Q4_0, Q4_1, Q8_0 and F16 blocks; the file's layers are {', '.join(sorted(types))}"
+    if why_not is not None:
+        if quant == "gguf":
+            raise CadenceError(f"--quant gguf {why_not}")
+        return "none", f"auto: dense weights (--quant gguf {why_not})"
+    if quant == "auto" and not gguf.AUTO:
+        return "none", ("auto: dense fp32 weights (the gguf kernel measured slower than oneDNN's fp32 product at "
+                        "1 row on the AMX Xeon limited to AVX2; --quant gguf forces it)")
+    return "gguf", "fp32 on the GGUF file's own blocks (lossless relative to the file)"
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,15 +121,23 @@ class FastBackbone(RowsForward, Backbone):
     """``Backbone`` with a lean forward; every other attribute is the transformers one."""
 
     def __init__(self, model, tokenizer=None, name: str = "model", kernel: str = "auto",
-                 pack_head: bool = True, quant: str = "none"):
+                 pack_head: bool = True, quant: str = "none", gguf_path=None):
         super().__init__(model, tokenizer, name=name)
+        self.gguf_path = gguf_path
         self.spec = arch.check(model.config)
         self.kernel = resolve_kind(kernel, self.device, self.dtype)
-        self.quant = check_quant(quant, self.device, self.dtype)
+        self.quant, self.quant_reason = resolve_quant(quant, self.device, self.dtype, gguf_path)
         self.layer_kind = self.quant if self.quant != "none" else self.kernel  # the projections' kernel
         self.pack_head = pack_head and self.kernel in ("onednn", "amx")
         self._layers: list[_Layer] = []
         self._released: list = []  # (module, name, fused Linear, row slice) to rebuild on demand
+        self._gguf = None  # ``fast.gguf.GGUFWeights`` while building a ``gguf`` backbone
+        self.gguf_report = None  # ``fast.gguf.Report``: what each matrix runs on (``gguf`` only)
+        if self.quant == "gguf":
+            from cadence.fast import gguf
+
+            self._gguf = gguf.GGUFWeights(gguf_path)
+            self.gguf_report = gguf.Report(str(gguf_path))
         self._build()
         self.rope = rope.RopeTable(model.model.rotary_emb, self.max_positions, self.dtype, self.device)
         head_kind = self.kernel if self.pack_head else ("onednn-dense" if self.kernel != "aten" else "aten")
@@ -103,8 +147,13 @@ class FastBackbone(RowsForward, Backbone):
         # 8 bits or more (the default model's Q4_1 file: token_embd Q8_0): a 4-bit head cost 7
         # points of top-1 agreement with the unquantized model (``benchmarks/analysis/quant_quality.py``),
         # and torch's int8 kernel took 3.0 ms against bf16's 1.6 ms for 4 rows on a Zen 5 EPYC
-        self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
-        self.consistent = consistent.wanted(self.kernel, self.dtype)  # see ``fast.consistent``
+        self._head = self._gguf_head() if self._gguf is not None else None
+        if self._head is None:
+            self._head = Linear(self.lm_head.weight, self.lm_head.bias, "int8" if self.quant == "int8" else head_kind)
+        self._gguf = None  # the file's tensors were copied out of the reader's map
+        # see ``fast.consistent``; ``gguf`` products and fp32 ``listed_attention`` are row-consistent
+        # too, so a fp32 forward on the file's blocks gives a token the same bits in any tree
+        self.consistent = consistent.wanted(self.kernel, self.dtype) or self.quant == "gguf"
         if self.consistent:  # weight-only int8/int4 and AMX rows do not depend on the row count (tested): no padding or blocks
             for lin in [self._head] + [getattr(layer, n) for layer in self._layers for n in ("qkv", "o", "gate_up", "down")]:
                 lin.min_rows = 1 if lin.kind in ROW_FREE else consistent.MIN_ROWS
@@ -139,13 +188,18 @@ class FastBackbone(RowsForward, Backbone):
 
     @classmethod
     def from_backbone(cls, bb: Backbone, **kwargs) -> FastBackbone:
+        kwargs.setdefault("gguf_path", getattr(bb, "gguf_path", None))
         return cls(bb.model, bb.tokenizer, name=bb.name, **kwargs)
 
     # -- weights -------------------------------------------------------------------------
     @torch.no_grad()
-    def _fuse(self, modules: list, swiglu: bool = False) -> Linear:
-        weight = torch.cat([m.weight.detach() for m in modules], dim=0)
-        fused = Linear(weight, _bias(*modules), self.layer_kind, swiglu=swiglu)
+    def _fuse(self, modules: list, swiglu: bool = False, tensors: list[str] | None = None) -> Linear:
+        """One Linear for the stacked ``modules``; ``tensors``: their GGUF tensors (``gguf``)."""
+        fused = self._gguf_linear(modules, tensors) if self._gguf is not None else None
+        if fused is None:
+            weight = torch.cat([m.weight.detach() for m in modules], dim=0)
+            kind = self.kernel if self.layer_kind == "gguf" else self.layer_kind
+            fused = Linear(weight, _bias(*modules), kind, swiglu=swiglu)
         start = 0
         for m in modules:
             rows = slice(start, start + m.out_features)
@@ -153,9 +207,32 @@ class FastBackbone(RowsForward, Backbone):
             self._share(m, fused, rows)
         return fused
 
-    def _own(self, module) -> Linear:
-        lin = Linear(module.weight, module.bias, self.layer_kind)
-        self._share(module, lin, slice(0, module.out_features))
+    def _own(self, module, tensor: str | None = None) -> Linear:
+        return self._fuse([module], tensors=[tensor] if tensor else None)
+
+    def _gguf_linear(self, modules: list, tensors: list[str] | None) -> Linear | None:
+        """The ``gguf`` Linear of ``modules`` from their GGUF tensors (``fast.gguf.build``:
+        the file's blocks, or their fp32 weights through the same kernel), None where neither
+        fits (an input size not a multiple of 32: the dense kernel runs)."""
+        from cadence.fast import gguf
+
+        tensors = tensors or [None] * len(modules)
+        label = "+".join(t.removesuffix(".weight") for t in tensors if t) or "?"
+        parts = [(t, m.weight.detach().float()) for t, m in zip(tensors, modules)]
+        lin, choice = gguf.build(native.module(), self._gguf, label, parts, (self.spec.heads, self.spec.kv_heads),
+                                 _bias(*modules))
+        self.gguf_report.choices.append(choice)
+        return lin
+
+    def _gguf_head(self) -> Linear | None:
+        """The LM head on the file's ``output`` tensor, or ``token_embd`` where the model ties them."""
+        tied = self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
+        name = "output.weight" if "output.weight" in self._gguf or not tied else "token_embd.weight"
+        from cadence.fast import gguf
+
+        lin, choice = gguf.build(native.module(), self._gguf, name.removesuffix(".weight"),
+                                 [(name, self.lm_head.weight.detach().float())], (), _bias(self.lm_head))
+        self.gguf_report.choices.append(choice)
         return lin
 
     def _share(self, module, lin: Linear, rows: slice) -> None:
@@ -179,15 +256,19 @@ class FastBackbone(RowsForward, Backbone):
             self._hook = None
 
     def _build(self) -> None:
-        for block in self.model.model.layers:
+        from cadence.fast.gguf import layer_tensor
+
+        for i, block in enumerate(self.model.model.layers):
             at, mlp = block.self_attn, block.mlp
             layer = _Layer()
             layer.ln1 = block.input_layernorm.weight.detach()
             layer.ln2 = block.post_attention_layernorm.weight.detach()
-            layer.qkv = self._fuse([at.q_proj, at.k_proj, at.v_proj])
-            layer.o = self._own(at.o_proj)
-            layer.gate_up = self._fuse([mlp.gate_proj, mlp.up_proj], swiglu=True)  # the gate in its epilogue where it can
-            layer.down = self._own(mlp.down_proj)
+            layer.qkv = self._fuse([at.q_proj, at.k_proj, at.v_proj],
+                                   tensors=[layer_tensor(i, n) for n in ("q_proj", "k_proj", "v_proj")])
+            layer.o = self._own(at.o_proj, layer_tensor(i, "o_proj"))
+            layer.gate_up = self._fuse([mlp.gate_proj, mlp.up_proj], swiglu=True,  # the gate in its epilogue where it can
+                                       tensors=[layer_tensor(i, "gate_proj"), layer_tensor(i, "up_proj")])
+            layer.down = self._own(mlp.down_proj, layer_tensor(i, "down_proj"))
             layer.q_norm = at.q_norm.weight.detach() if self.spec.qk_norm else None
             layer.k_norm = at.k_norm.weight.detach() if self.spec.qk_norm else None
             self._layers.append(layer)
@@ -199,7 +280,10 @@ class FastBackbone(RowsForward, Backbone):
         (latency curves are cached per kernels: the C++ loop changed them by a third)."""
         self._resolve_native()
         attention = ("/listed-amx" if self._listed_amx() else "/listed") if self.listed else ""
-        return f"{self.layer_kind}/{self._head.kind}/{'cpp' if self._native else 'python'}{attention}"
+        isa = f"-{self._ops.q_isa()}" if self._ops is not None else ""  # gguf: the vector code of its kernel
+        layer = self.layer_kind + (isa if self.layer_kind == "gguf" else "")
+        head = self._head.kind + (isa if self._head.kind == "gguf" else "")
+        return f"{layer}/{head}/{'cpp' if self._native else 'python'}{attention}"
 
     @property
     def native_build(self) -> str:
@@ -223,8 +307,9 @@ class FastBackbone(RowsForward, Backbone):
         head_shared = self.lm_head.weight.data_ptr() == emb.data_ptr()
         out = {"layers": fused, "embed": emb.numel() * emb.element_size(),
                "lm_head": 0 if head_shared else self._head.nbytes(),
-               "packed_head_copy": self._head.nbytes() if self._head.kind in ("onednn", "amx", "int8", "int4") else 0,
-               "dense_layer_copy": 0 if self.layer_kind not in ("onednn", "amx", "int8", "int4") or self._released else fused}
+               "packed_head_copy": self._head.nbytes() if self._head.kind in ("onednn", "amx", "int8", "int4", "gguf") else 0,
+               "dense_layer_copy": 0 if self.layer_kind not in ("onednn", "amx", "int8", "int4", "gguf") or self._released
+               else fused}
         out["total"] = sum(out.values())
         return out
 

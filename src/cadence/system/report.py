@@ -55,6 +55,37 @@ def auto_kernels(native_state: str) -> dict:
     return {"bfloat16": bf16, "float32": dense}
 
 
+def forced_isa() -> dict:
+    """``CADENCE_ISA``: the instruction set forced (``native`` when unset), what the native
+    extension is compiled for, and what is wrong with the switch in this process (None: nothing)."""
+    from cadence.fast import native
+    from cadence.fast.cpu import ISA_MARCH, isa, isa_env, isa_mismatch
+
+    try:
+        level = isa()
+    except ValueError as exc:
+        return {"isa": os.environ.get("CADENCE_ISA"), "march": None, "needs": {}, "problem": str(exc)}
+    return {"isa": level, "march": ISA_MARCH[level], "needs": isa_env(level), "problem": isa_mismatch(),
+            "extension": native.name() if native.enabled() else None}
+
+
+def auto_quant(dtype: str) -> tuple[str, str]:
+    """(quant, reason) that ``--quant auto`` takes for the default model (a Q4_1 GGUF) with
+    ``--dtype auto``, without building anything."""
+    from cadence.fast import native
+
+    if dtype != "float32":
+        return "none", f"{dtype} kernels (gguf products are fp32; the bf16 ones were faster on the AMX Xeon)"
+    if not native.enabled():
+        return "none", "the native extension is off (CADENCE_NATIVE=0)"
+    from cadence.fast.gguf import AUTO
+
+    if not AUTO:
+        return "none", "dense fp32 (the gguf kernel measured slower at 1 row; --quant gguf forces it)"
+    return "gguf", ("fp32 on the GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks for a GGUF model (lossless relative to "
+                    "the file), dense fp32 for other models")
+
+
 def collect() -> dict:
     """Everything ``cadence env`` reports, as a dict (``--json`` prints it)."""
     import torch
@@ -83,6 +114,8 @@ def collect() -> dict:
         "transformers": _version("transformers"), "cuda": cuda,
         "auto_dtype": {"dtype": dtype, "why": why},
         "auto_kernels": auto_kernels(build["state"]),
+        "auto_quant": dict(zip(("quant", "why"), auto_quant(dtype))),
+        "forced_isa": forced_isa(),
         "native": build,
         "cache": {"root": str(disk_cache.root()), "kernels_root": str(disk_cache.kernels_root()),
                   "bytes": sizes},
@@ -109,6 +142,11 @@ def format_report(info: dict) -> str:
         f"cuda          {info['cuda']['name'] + ' x' + str(info['cuda']['count']) if info['cuda'] else 'none'}",
         f"dtype auto    {info['auto_dtype']['dtype']}: {info['auto_dtype']['why']}",
         f"kernels auto  bf16 {info['auto_kernels']['bfloat16']}; fp32 {info['auto_kernels']['float32']}",
+        f"quant auto    {info['auto_quant']['quant']}: {info['auto_quant']['why']}",
+        f"CADENCE_ISA   {info['forced_isa']['isa']} (-march={info['forced_isa']['march']})"
+        + (f": PROBLEM: {info['forced_isa']['problem']}" if info["forced_isa"]["problem"] else
+           (": torch switches " + " ".join(f"{k}={v}" for k, v in info["forced_isa"]["needs"].items()) + " set"
+            if info["forced_isa"]["needs"] else "")),
         f"native build  {nat['state']}" + (f" ({detail})" if detail else ""),
         f"cache         {info['cache']['root']}: models {disk_cache.human(sizes.get('models', 0))}, "
         f"latency curves {disk_cache.human(sizes.get('latency', 0))}",

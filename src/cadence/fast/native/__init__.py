@@ -31,7 +31,7 @@ from cadence.fast.native import build
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "linear.h", "fused.cpp", "fused.h", "attention.cpp", "attention.h",
                                                     "attention_amx.cpp", "attention_amx.h", "vec16.h", "amx.h", "fused_math.h",
-                                                    "gemm_amx.cpp", "gemm_amx.h",
+                                                    "gemm_amx.cpp", "gemm_amx.h", "gemm_q.cpp", "gemm_q.h",
                                                     "draft_block.cpp", "draft_block.h")]
 _CFLAGS = ["-O3", "-ffp-contract=off", "-march=native", "-fopenmp"]  # no fused multiply-adds: vector and scalar code agree
 _LDFLAGS = ["-fopenmp"]
@@ -56,7 +56,7 @@ def module():
     if "module" in _state or "error" in _state:
         return _state.get("module")
     try:
-        _state["module"] = build.load(name(), _cpp_sources(), _CFLAGS, _LDFLAGS, what="building the native layer loop",
+        _state["module"] = build.load(name(), _cpp_sources(), cflags(), _LDFLAGS, what="building the native layer loop",
                                       announce="cadence: compiling the native layer loop "
                                                "(once per machine and torch, about a minute)")
     except build.BuildBusy as exc:  # another live process is building it: never wait without end
@@ -74,6 +74,25 @@ def loaded():
     return _state.get("module")
 
 
+def cflags(level: str | None = None) -> list[str]:
+    """The compiler flags of this process's build: ``-march=native``, or the instruction set
+    ``CADENCE_ISA`` (or ``level``) forces (``avx2``: ``-march=haswell``, AVX2 + FMA + F16C;
+    ``avx512``: ``-march=skylake-avx512``, AVX-512 F/CD/BW/DQ/VL without BF16 or AMX), which
+    then runs on this CPU as it would on one that has only that set (``cadence.fast.cpu``)."""
+    from cadence.fast.cpu import ISA_MARCH, isa
+
+    march = ISA_MARCH[level or isa()]
+    return [f if not f.startswith("-march=") else f"-march={march}" for f in _CFLAGS]
+
+
+def build_for(level: str):
+    """The extension as a process with ``CADENCE_ISA=level`` builds it (the same name, so the
+    same cached build), loaded beside this process's own: tests compare their bits."""
+    flags = cflags(level)
+    return build.load(_name_for(level, _digest(flags)), _cpp_sources(), flags, _LDFLAGS,
+                      what=f"building the native layer loop for {level}")
+
+
 def build_variant(name: str, march: str):
     """The extension built for another instruction set (``-march=MARCH``) under its own
     name, e.g. ``x86-64-v3`` (AVX2 + FMA) on an AVX-512 machine: tests run the code paths
@@ -83,8 +102,15 @@ def build_variant(name: str, march: str):
 
 
 def name() -> str:
-    """The extension's name here: its sources, torch, flags and CPU (``_digest``)."""
-    return "cadence_layers_" + _digest()
+    """The extension's name here: its sources, torch, flags and CPU (``_digest``); a build for
+    a forced instruction set names it (``cadence_layers_avx2_<digest>``)."""
+    from cadence.fast.cpu import isa
+
+    return _name_for(isa(), _digest())
+
+
+def _name_for(level: str, digest: str) -> str:
+    return "cadence_layers_" + ("" if level == "native" else f"{level}_") + digest
 
 
 def _cpp_sources() -> list[str]:
@@ -106,24 +132,27 @@ def build_id() -> str:
     return _digest() if module() is not None else ""
 
 
-def _digest() -> str:
-    """Names the build by the source and torch version, so an edit or a new torch rebuilds."""
+def _digest(flags: list[str] | None = None) -> str:
+    """Names the build by the source and torch version, so an edit or a new torch rebuilds;
+    ``flags``: another build's compiler flags than this process's (``build_for``)."""
     import hashlib
 
-    if "digest" in _state:
+    if flags is None and "digest" in _state:
         return _state["digest"]
 
     h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
     h.update(torch.__version__.encode())
-    h.update(" ".join(_CFLAGS).encode())
+    h.update(" ".join(flags or cflags()).encode())
     h.update(_cpu_identity().encode())  # -march=native: a build for one CPU never loads on another
+    if flags is not None:
+        return h.hexdigest()[:12]
     _state["digest"] = h.hexdigest()[:12]
     return _state["digest"]
 
 
 def _cpu_identity() -> str:
     """The CPU's model name and feature flags (Linux), empty where unknown."""
-    from cadence.fast.cpu import cpu_flags
+    from cadence.fast.cpu import _hardware_flags as cpu_flags  # the real CPU, whatever CADENCE_ISA says
 
     try:
         with open("/proc/cpuinfo") as f:
@@ -133,7 +162,7 @@ def _cpu_identity() -> str:
     return model + " " + " ".join(sorted(cpu_flags()))
 
 
-KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3, "amx": 4, "amx-swiglu": 5}
+KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3, "amx": 4, "amx-swiglu": 5, "gguf": 6}
 
 
 def linear_ints(lin, max_rows: int = 0) -> list[int]:
@@ -142,7 +171,8 @@ def linear_ints(lin, max_rows: int = 0) -> list[int]:
     from cadence.fast.kernels import INT4_GROUP
 
     kind = KIND["amx-swiglu"] if getattr(lin, "swiglu", False) else KIND[lin.kind]
-    return [kind, lin.in_features, lin.out_features, lin.min_rows, max_rows, INT4_GROUP]
+    group = lin.qtype if lin.kind == "gguf" else INT4_GROUP  # gguf: the GGML type of its blocks
+    return [kind, lin.in_features, lin.out_features, lin.min_rows, max_rows, group]
 
 
 def build_layers(mod, bb):

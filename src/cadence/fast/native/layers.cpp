@@ -20,6 +20,7 @@
 #include "draft_block.h"
 #include "fused.h"
 #include "gemm_amx.h"
+#include "gemm_q.h"
 #include "linear.h"
 
 #include <array>
@@ -272,6 +273,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(gate) * up of swiglu_rows-interleaved [gate; up] (gemm_amx.cpp)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("out"),
         pybind11::arg("swiglu") = false);
+  m.def("q_linear", &cadence::q_linear, "x W^T (+ b) for fp32 x, W in a GGUF file's blocks (gemm_q.cpp)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("out"), pybind11::arg("bias"));
+  m.def("q_dequantize", &cadence::q_dequantize, "GGUF blocks -> fp32, gguf.quants.dequantize's bits (gemm_q.cpp)");
+  m.def("q_row_bytes", &cadence::q_row_bytes, "bytes of a row of K weights of a GGML type, -1 if unread (gemm_q.cpp)");
+  m.def("q_isa", &cadence::q_isa, "the vector code q_linear was built to: avx512, avx2 or generic (gemm_q.cpp)");
   m.def("argmax_rows", &cadence::argmax_rows, "x.argmax(-1) of CPU rows, one vector pass (fused.cpp)");
   m.def("silu_mul", &cadence::silu_mul, "silu(gate) * up of [gate | up] rows, one pass (fused.cpp)");
   m.def("rope", &cadence::rope, "x * cos + rotate_half(x) * sin, one pass per row (fused.cpp)");

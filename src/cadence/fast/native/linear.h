@@ -1,4 +1,4 @@
-// ``kernels.Linear`` in C++: the projections' kinds (aten, oneDNN, int8, int4, AMX) with its row
+// ``kernels.Linear`` in C++: the projections' kinds (aten, oneDNN, int8, int4, AMX, GGUF blocks) with its row
 // padding and blocking, for the C++ loops (``layers.cpp``, ``draft_block.cpp``). Same calls,
 // same arguments as the Python class: same bits.
 #pragma once
@@ -8,6 +8,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "gemm_amx.h"
+#include "gemm_q.h"
 
 #include <optional>
 #include <string>
@@ -15,7 +16,8 @@
 
 namespace cadence {
 
-enum Kind : int64_t { ATEN = 0, ONEDNN = 1, INT8 = 2, INT4 = 3, AMX = 4, AMX_SWIGLU = 5 };  // AMX_SWIGLU: [gate; up] -> silu(gate) * up
+// AMX_SWIGLU: [gate; up] -> silu(gate) * up; GGUF: fp32 x times a GGUF file's blocks, ``group`` the GGML type
+enum Kind : int64_t { ATEN = 0, ONEDNN = 1, INT8 = 2, INT4 = 3, AMX = 4, AMX_SWIGLU = 5, GGUF = 6 };
 
 inline const c10::OperatorHandle& onednn_linear() {
   static const c10::OperatorHandle op =
@@ -51,6 +53,7 @@ struct Lin {
     }
     at::Tensor y;
     if (kind == AMX || kind == AMX_SWIGLU) return amx_linear(x2, w, bias, out, kind == AMX_SWIGLU);
+    if (kind == GGUF) return q_linear(x2, w, group, out, bias);
     if (kind == INT8 || kind == INT4) {
       y = kind == INT8 ? at::_weight_int8pack_mm(x2.contiguous(), w, scale)
                        : at::_weight_int4pack_mm_for_cpu(x2.contiguous(), w, group, scale);
@@ -65,6 +68,7 @@ struct Lin {
   at::Tensor operator()(const at::Tensor& x, bool blocked) const {
     if (kind == ATEN) return at::linear(x, w, bias);
     if (kind == AMX || kind == AMX_SWIGLU) return amx_linear(x, w, bias, out, kind == AMX_SWIGLU);  // any row count
+    if (kind == GGUF) return q_linear(x, w, group, out, bias);  // any row count: rows are independent
     const int64_t cap = blocked ? max_rows : 0;
     const int64_t n = x.numel() / in;
     if (kind == ONEDNN && min_rows <= n && x.is_contiguous() && (!cap || n <= cap)) {
