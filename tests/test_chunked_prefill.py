@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batch_engine import NONE, K, fast, plain, run
+from test_batch_engine import NONE, K, PromptOracle, fast, plain, run
 from tiny import OracleDrafter
 
 from cadence.batch import prefill as prefill_mod
@@ -28,30 +28,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class ByPrompt:
-    """An oracle per prompt (picked by the context's first tokens): rows accept their drafts."""
-
-    num_heads = K
-
-    def __init__(self, cases):
-        self.cases = cases
-
-    def max_depth(self, sampling):
-        return K
-
-    def new_index(self):
-        return None
-
-    def draft(self, tree, root, hidden, context, sampling, generator, copies=None):
-        for ids, oracle in self.cases.items():
-            if tuple(context[:len(ids)]) == ids:
-                return oracle.draft(tree, root, hidden, context, sampling, generator, copies)
-        raise AssertionError("unknown prompt")
-
-
 def engine(bb, ids, refs, chunk, max_batch=3, right=None):
     right = right or [0] * len(ids)  # per prompt: the rank its drafts put the right token at
-    drafter = ByPrompt({tuple(i): OracleDrafter(r.tokens, len(i), K, bb.vocab_size, right_rank=w)
+    drafter = PromptOracle({tuple(i): OracleDrafter(r.tokens, len(i), K, bb.vocab_size, right_rank=w)
                         for i, r, w in zip(ids, refs, right)})
     return BatchEngine(bb, drafter, StaticScheduler.from_preset("tree-8", K), max_batch=max_batch,
                        narrow=NarrowConfig(mode="none"), prefill_chunk=chunk)
