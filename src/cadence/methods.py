@@ -78,9 +78,9 @@ class MethodSpec:
         "help": "confidence scheduler: path of the trained confidence head (default: beside the heads)"})
     dyn_topk: int = field(default=4, metadata={
         "help": "dynamic scheduler: children per expanded node and nodes expanded per level (EAGLE-2's top-k)"})
-    dyn_nodes: int = field(default=16, metadata={
-        "help": "dynamic scheduler: most draft nodes verified per step (fewer when this machine's verify "
-                "latency says they do not pay)"})
+    dyn_nodes: int = field(default=64, metadata={
+        "help": "dynamic scheduler: most draft nodes verified per step; this machine's verify latency "
+                "curve cuts each step's tree to the size that pays (fewer nodes), so the cap rarely binds"})
     dyn_depth: int = field(default=0, metadata={
         "help": "dynamic scheduler: levels the heads draft (0 = their K); eagle's layer serves any depth, "
                 "other heads stop at K"})
