@@ -1,4 +1,4 @@
-"""``cadence`` command line: generate | distill | train | calibrate | bench | serve | export | env | cache.
+"""``cadence`` command line: generate | distill | train | calibrate | bench | serve | export | env | cache | train-pipo.
 
 Every user-facing failure is a CadenceError: printed as ``cadence: error: ...`` with
 exit status 2, never a traceback. SIGTERM and SIGHUP end a command as Ctrl-C does (its
@@ -61,6 +61,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also decode each prompt with vanilla (after a short warm-up of both) and print "
                         "the speed ratio")
+    from cadence.pipo.command import add_generate_flags  # --pipo (LOSSY, opt-in): docs/pipo.md
+
+    add_generate_flags(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -83,6 +86,10 @@ def _run_generate(args) -> int:
     from cadence.methods import Method, MethodSpec, make_engine
 
     prompts = _prompts(args)
+    if getattr(args, "pipo", ""):
+        from cadence.pipo.command import run_generate
+
+        return run_generate(args, prompts)
     spec = from_args(MethodSpec, args)
     cfg = from_args(GenerationConfig, args)
     backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant)
@@ -151,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     for module in ("cadence.training.command", "cadence.calibrate", "cadence.bench.command",
                    "cadence.training.small_heads", "cadence.server.command", "cadence.export",
-                   "cadence.system.report"):
+                   "cadence.system.report", "cadence.pipo.command"):
         importlib.import_module(module).register(sub)
     return parser
 
