@@ -149,7 +149,8 @@ def gsm8k_phase(bb, students, args, eos) -> dict:
 
     items = gsm8k_items()[: args.gsm8k]
     prompts = [bb.encode_prompt(it.prompt, chat=True) for it in items]
-    ms = [(lab, d) for lab, _, d in methods(students, args) if not lab.endswith("verify")]
+    ms = [(lab, d) for lab, ck, d in methods(students, args)
+          if not lab.endswith("verify") and (not args.gsm8k_only or ck in args.gsm8k_only)]
     scores: dict[str, list[float]] = {"plain": [], **{lab: [] for lab, _ in ms}}
     for it, ids in zip(items, prompts):
         r = plain_generate(bb.model, ids, args.gsm8k_new, eos)
@@ -229,6 +230,7 @@ def main() -> int:
     ap.add_argument("--nll-reply", type=int, default=128, help="reply tokens per NLL sequence")
     ap.add_argument("--gsm8k", type=int, default=20, help="GSM8K test questions (0 = skip)")
     ap.add_argument("--gsm8k-new", type=int, default=160, help="tokens per GSM8K answer")
+    ap.add_argument("--gsm8k-only", nargs="*", default=[], help="PIPO labels scored on GSM8K (default: all)")
     ap.add_argument("--keep-tokens", action="store_true", help="store every generation's tokens in the JSON")
     ap.add_argument("--out", default=None, help="JSON path (default runs/pipo-bench.json)")
     ap.add_argument("--plot", default=None, help="PNG path for the speed/quality plot")
