@@ -85,7 +85,7 @@ def _peft():
     try:
         import peft
     except ImportError as exc:
-        raise CadenceError("PIPO needs the peft package: pip install 'peft>=0.17'") from exc
+        raise CadenceError("PIPO needs the peft package: pip install 'peft>=0.21' (older peft does not import with transformers 5)") from exc
     return peft
 
 
