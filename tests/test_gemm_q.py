@@ -206,7 +206,9 @@ def gguf_model(tmp_path, family: str = "llama-tied"):
 
 
 @needs_native
-def test_a_backbone_on_gguf_blocks_is_the_fp32_model_and_speculates_to_its_own_tokens(tmp_path):
+@pytest.mark.parametrize("int8", ["1", "0"], ids=["int8-activations", "fp32-activations"])
+def test_a_backbone_on_gguf_blocks_is_the_fp32_model_and_speculates_to_its_own_tokens(tmp_path, monkeypatch, int8):
+    monkeypatch.setenv("CADENCE_GGUF_INT8", int8)  # 1: gemm_qi.cpp (8-bit activations); 0: gemm_q.cpp (fp32)
     from test_fast_model import reference_greedy, tree_greedy, tree_mask
 
     from cadence.fast.model import FastBackbone
@@ -229,7 +231,10 @@ def test_a_backbone_on_gguf_blocks_is_the_fp32_model_and_speculates_to_its_own_t
                                                               for n in "qkv"]))
     prompt = list(range(40, 60))
     ids = torch.tensor([prompt])
-    assert (q.forward(ids).logits - dense.forward(ids).logits).abs().max() < 1e-4  # the same weights, other sums
+    assert (q._layers[0].qkv.qtype > 256) == (int8 == "1") and q._layers[1].down.qtype == 0
+    # the same weights; other sums (fp32), or the activations rounded to 8 bits per 32 (int8)
+    tol = 1e-4 if int8 == "0" else 0.1 * dense.forward(ids).logits.abs().max()
+    assert (q.forward(ids).logits - dense.forward(ids).logits).abs().max() < tol
     # a token's logits in a tree are its one-token forward's, bit for bit
     cache = q.new_cache()
     q.forward(ids, cache)

@@ -1,8 +1,9 @@
 """How far is a quantized backbone from the unquantized one? cadence's --quant int8 / int4
 against llama.cpp's GGUF (Q4_1 for the default model), on the bench prompts; with
 ``--dtype float32 --quants gguf``, how far fp32 products on the GGUF file's own blocks are from
-fp32 products on the same weights dequantized (the same weights, other summation orders: any
-difference is float rounding).
+fp32 products on the same weights dequantized (the same weights; activations rounded to 8 bits
+per block of 32 as llama.cpp does, or with ``CADENCE_GGUF_INT8=0`` fp32 ones: other summation
+orders only). Each model's argmax is also compared with llama.cpp's at the same positions.
 
 The reference is the unquantized model (``--dtype``, default auto: bf16 on CPUs with native
 bf16) decoding each prompt greedily. Every model then reads the prompt and that reply in
@@ -103,24 +104,31 @@ def main() -> None:
         print(why or f"llama.cpp skipped: {args.model} has no GGUF file")
 
     names = list(models) + ([llama_name] if llm is not None else [])
-    totals = {n: {"positions": 0, "agree": 0, "nll": 0.0} for n in names}
+    totals = {n: {"positions": 0, "agree": 0, "nll": 0.0, "agree_llama": 0} for n in names}
     for task in args.tasks:
         items = T.seeded_subset(T.load_task(task).items, args.limit)
         for it in items:
             prompt = ref.encode_prompt(it.prompt, chat=True)
             reply = greedy(ref, prompt, args.max_new_tokens)
+            top1 = {}
             for name, bb in models.items():
-                a, nll = score(torch_logits(bb, prompt, reply), reply)
+                logits = torch_logits(bb, prompt, reply)
+                top1[name] = logits.argmax(-1)
+                a, nll = score(logits, reply)
                 t = totals[name]
                 t["positions"] += len(reply)
                 t["agree"] += a
                 t["nll"] += nll
             if llm is not None:
-                a, nll = score(llama_logits(llm, prompt, reply), reply)
+                logits = llama_logits(llm, prompt, reply)
+                a, nll = score(logits, reply)
                 t = totals[llama_name]
                 t["positions"] += len(reply)
                 t["agree"] += a
                 t["nll"] += nll
+                t["agree_llama"] += len(reply)
+                for name in models:  # the same positions' argmax as llama.cpp's
+                    totals[name]["agree_llama"] += int((top1[name] == logits.argmax(-1)).sum())
             print(f"{task} {it.key}: {len(reply)} reply tokens", flush=True)
 
     rows = {}
@@ -128,12 +136,16 @@ def main() -> None:
         n = max(t["positions"], 1)
         rows[name] = {"positions": t["positions"], "top1_agreement": t["agree"] / n, "nll": t["nll"] / n,
                       "perplexity": math.exp(t["nll"] / n)}
+        if llm is not None:
+            rows[name]["top1_agreement_with_llama_cpp"] = t["agree_llama"] / n
     info = common.machine()
     print(f"\n{common.machine_line(info)}\n")
-    print("| model | reply positions | top-1 agreement with the reference | NLL (nats) | perplexity |")
-    print("|---|---:|---:|---:|---:|")
+    print("| model | reply positions | top-1 agreement with the reference | with llama.cpp | NLL (nats) | perplexity |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
-        print(f"| {name} | {r['positions']} | {r['top1_agreement']:.3f} | {r['nll']:.3f} | {r['perplexity']:.2f} |")
+        with_llama = f"{r['top1_agreement_with_llama_cpp']:.3f}" if "top1_agreement_with_llama_cpp" in r else "-"
+        print(f"| {name} | {r['positions']} | {r['top1_agreement']:.3f} | {with_llama} | {r['nll']:.3f} | "
+              f"{r['perplexity']:.2f} |")
     print()
     common.write_json(common.out_path(args.out, f"quant-quality-{common.cpu_slug()}.json"),
                       {"machine": info, "model": args.model, "tasks": args.tasks, "limit": args.limit,

@@ -2,12 +2,13 @@
 layer loop (``fast/native/layers.cpp``: the qkv GEMM, RoPE, attention with the cache store,
 o GEMM, residual add + norm, gate/up GEMM, SwiGLU, down GEMM, add + norm), summed over the
 30 layers, for a one-token forward and for a binary tree of ``--nodes`` nodes on a fixed
-context, as ``verify_cost.py`` times them (bf16; the two sizes alternate, warm-up excluded).
+context, as ``verify_cost.py`` times them (bf16, or ``--dtype float32 --quant gguf`` for the
+fp32 path on the GGUF's blocks; the two sizes alternate, warm-up excluded).
 "rest" is the forward's time outside the layer loop (embedding, final norm, LM head, Python).
 Phase boundaries read a clock (about 0.1 us each) and nothing else changes.
 
 Usage:  python benchmarks/kernels/phase_cost.py [--nodes 32] [--context 200] [--forwards 200] [--kernel auto]
-        [--out FILE]
+        [--dtype bfloat16|float32] [--quant none|gguf] [--out FILE]
 Prints a markdown table (ms per forward) and writes JSON with ``--out``.
 """
 
@@ -67,10 +68,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--forwards", type=int, default=200)
     ap.add_argument("--kernel", default="auto", help="projection kernel (fast.kernels.KINDS)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--quant", default="none", help="the fast path's --quant (gguf: the GGUF's blocks; fp32)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    bb = FastBackbone.from_backbone(common.backbone(args.model, torch.bfloat16, backend="transformers"),
-                                    kernel=args.kernel)
+    dtype = getattr(torch, args.dtype)
+    if args.quant != "none":
+        bb = common.backbone(args.model, dtype, backend="fast", quant=args.quant)
+    else:
+        bb = FastBackbone.from_backbone(common.backbone(args.model, dtype, backend="transformers"), kernel=args.kernel)
     bb.forward(torch.tensor([[1, 2]]), None)  # builds the native loop
     if not bb._native:
         raise SystemExit("the C++ layer loop is not available here (see cadence.fast.native)")

@@ -36,9 +36,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "
                         "or auto (fast where supported)")
     p.add_argument("--quant", default="auto", choices=list(QUANTS),
-                   help="auto (default: gguf where it applies, else none) | gguf: float32 on a GGUF model's own "
-                        "Q4_0 / Q4_1 / Q8_0 blocks (CPU; lossless relative to the file: the weights of the fp32 "
-                        "path, another summation order) | none | int8 | int4: weight-only int8 / 4-bit "
+                   help="auto (default: gguf where it applies, else none) | gguf: a GGUF model's own "
+                        "Q4_0 / Q4_1 / Q8_0 blocks (CPU, float32; the file's weights, activations rounded to 8 "
+                        "bits per 32 as llama.cpp) | none | int8 | int4: weight-only int8 / 4-bit "
                         "(groups of 32, like llama.cpp's Q4_1) projections and LM head (fast backend, CPU; LOSSY "
                         "against the unquantized model, speculation stays identical to plain decoding of the "
                         "quantized model)")

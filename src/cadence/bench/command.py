@@ -54,7 +54,7 @@ def register(subparsers) -> None:
     p.add_argument("--quant", default="none", choices=list(QUANTS),
                    help="int8 | int4: weight-only quantized backbone (LOSSY against the unquantized model; every "
                         "method, vanilla included, runs the same quantized model) | gguf: float32 on a GGUF model's own "
-                        "blocks (lossless relative to the file) | auto: gguf where it applies")
+                        "blocks (the file's weights, 8-bit activations as llama.cpp) | auto: gguf where it applies")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                    help="print the difference between two results.json files (or run directories) and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -169,8 +169,10 @@ def markdown(results: dict, images: list[str]) -> str:
                  f"top_p {cfg['top_p']}, top_k {cfg['top_k']}, rule {cfg['rule']}, repeats {cfg['repeats']}, "
                  f"heads {cfg['heads_dir'] or cfg['heads']}, subset seed {cfg['subset_seed']}, "
                  f"dtype {cfg.get('dtype', 'auto')}, quant {cfg.get('quant', 'none')}"
-                 + (" (LOSSY: int8 weights; identical = same tokens as the int8 model's plain decoding)"
-                    if cfg.get("quant", "none") != "none" else ""))
+                 + (" (the GGUF file's blocks, 8-bit activations as llama.cpp; identical = same tokens as "
+                    "plain decoding on that path)" if cfg.get("quant") == "gguf" else
+                    f" (LOSSY: {cfg.get('quant')} weights; identical = same tokens as the quantized model's plain "
+                    "decoding)" if cfg.get("quant", "none") not in ("none", "auto") else ""))
     lines.append("- speedup: tokens/s relative to `vanilla` (cadence's engine without drafts) on the same "
                  "prompts in this run, methods interleaved per prompt, warm-up excluded; tau: tokens per "
                  "step; identical: share of generations whose token ids equal vanilla's")

@@ -34,10 +34,20 @@ import numpy as np
 import torch
 
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
-# whether ``--quant auto`` takes ``gguf`` where it can run: not yet. On the AMX Xeon limited to
-# AVX2 (2026-12-06, ``benchmarks/kernels/gguf_cost.py``) a one-row product cost 3-4x oneDNN's fp32
-# one (its per-call decoding of every block to fp32 dominates), so dense fp32 stays the default
-AUTO = False
+# whether ``--quant auto`` takes ``gguf`` where it can run (fp32: CPUs without native bf16): yes.
+# On the AMX Xeon limited to AVX2 (2026-12-06, ``benchmarks/kernels/verify_cost.py``) the integer
+# kernel's one-token forward took 14.1 ms against 41.7 on dense fp32 (docs/fast-path.md)
+AUTO = True
+
+
+def describe() -> str:
+    """What ``--quant gguf`` computes, for ``quant_reason``."""
+    from cadence.fast.kernels import gguf_int8
+
+    if gguf_int8():
+        return ("the GGUF file's own blocks, activations rounded to 8 bits per block of 32 as llama.cpp does "
+                "(gemm_qi.cpp; CADENCE_GGUF_INT8=0: fp32 activations)")
+    return "fp32 on the GGUF file's own blocks (the file's weights exactly; CADENCE_GGUF_INT8=0)"
 BLOCK_TYPES = {F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}  # read as blocks by ``q_linear``
 NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}

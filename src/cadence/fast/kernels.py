@@ -39,6 +39,8 @@ machine it has not run on; ``benchmarks/kernels/verify_cost.py`` measures that.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -165,8 +167,11 @@ class Linear:
         self.kind, self.swiglu, self.min_rows, self.max_rows = "gguf", False, 1, 0
         self.out_features, self.in_features = blocks.shape[0], in_features
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        ops = _native()
         self.w, self.qtype, self.scale, self.dense = blocks.contiguous(), int(qtype), None, None
-        self._q = _native().q_linear
+        if gguf_int8():  # Q4_0 / Q4_1 / Q8_0 on the integer kernel (``gemm_qi.cpp``): repacked once
+            self.w, self.qtype = ops.q_pack(self.w, self.qtype, in_features), ops.q_packed_type(self.qtype, in_features)
+        self._q = ops.q_linear
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,6 +230,14 @@ class Linear:
             self.out_features * self.in_features * torch.empty((), dtype=self.w.dtype).element_size()
         n += 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+def gguf_int8() -> bool:
+    """Whether ``gguf`` matrices in Q4_0 / Q4_1 / Q8_0 run the integer kernel (activations
+    rounded to 8 bits per block of 32, as llama.cpp; ``native/gemm_qi.cpp``): yes unless
+    ``CADENCE_GGUF_INT8=0``, which keeps fp32 activations (``gemm_q.cpp``: exact products of
+    the file's weights, slower than dense fp32)."""
+    return os.environ.get("CADENCE_GGUF_INT8", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,7 +84,7 @@ def resolve_quant(quant: str, device: torch.device, dtype: torch.dtype, gguf_pat
     if quant == "auto" and not gguf.AUTO:
         return "none", ("auto: dense fp32 weights (the gguf kernel measured slower than oneDNN's fp32 product at "
                         "1 row on the AMX Xeon limited to AVX2; --quant gguf forces it)")
-    return "gguf", "fp32 on the GGUF file's own blocks (lossless relative to the file)"
+    return "gguf", gguf.describe()
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

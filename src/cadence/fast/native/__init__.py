@@ -31,7 +31,7 @@ from cadence.fast.native import build
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "linear.h", "fused.cpp", "fused.h", "attention.cpp", "attention.h",
                                                     "attention_amx.cpp", "attention_amx.h", "vec16.h", "amx.h", "fused_math.h",
-                                                    "gemm_amx.cpp", "gemm_amx.h", "gemm_q.cpp", "gemm_q.h",
+                                                    "gemm_amx.cpp", "gemm_amx.h", "gemm_q.cpp", "gemm_q.h", "gemm_qi.cpp",
                                                     "draft_block.cpp", "draft_block.h")]
 _CFLAGS = ["-O3", "-ffp-contract=off", "-march=native", "-fopenmp"]  # no fused multiply-adds: vector and scalar code agree
 _LDFLAGS = ["-fopenmp"]

@@ -285,6 +285,11 @@ void run_groups(const Problem& p, int64_t g0, int64_t g1) {
 }
 
 void check_weights(const at::Tensor& w, int64_t type, int64_t K) {
+  if (type & Q_PACKED) {
+    const int64_t base = type & ~Q_PACKED;
+    TORCH_CHECK(q_packed_type(base, K) == type, "q_linear: packed type ", type, " does not run here for ", K, " inputs");
+    type = base;
+  }
   TORCH_CHECK(block_bytes(type) > 0, "q_linear: GGML type ", type, " is not one of F32, F16, Q4_0, Q4_1, Q8_0");
   TORCH_CHECK(K % QK == 0, "q_linear: the input size ", K, " is not a multiple of 32");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
@@ -296,7 +301,7 @@ void check_weights(const at::Tensor& w, int64_t type, int64_t K) {
 }  // namespace
 
 int64_t q_row_bytes(int64_t type, int64_t K) {
-  const int64_t bb = block_bytes(type);
+  const int64_t bb = block_bytes(type & ~Q_PACKED);
   return bb < 0 ? -1 : K / QK * bb;
 }
 
@@ -317,6 +322,7 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int6
     TORCH_CHECK(bias->numel() == out, "q_linear: bias of ", bias->numel(), " for ", out, " outputs");
     b32 = bias->to(at::kFloat).contiguous();
   }
+  if (type & Q_PACKED) return q_linear_packed(x2, w, type, out, bias ? b32.data_ptr<float>() : nullptr, y).view(lead);
   const Problem p{x2.data_ptr<float>(), w.data_ptr<uint8_t>(), bias ? b32.data_ptr<float>() : nullptr,
                   y.data_ptr<float>(), m, out, K, type, w.size(1)};
   const int64_t groups = (out + G - 1) / G;
@@ -327,6 +333,7 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int6
 
 at::Tensor q_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
   check_weights(w, type, K);
+  if (type & Q_PACKED) return q_dequantize(q_unpack(w, type, K), type & ~Q_PACKED, K);
   const int64_t n = w.size(0), rb = w.size(1);
   at::Tensor out = at::empty({n, K}, w.options().dtype(at::kFloat));
   const uint8_t* src = w.data_ptr<uint8_t>();
@@ -338,7 +345,9 @@ at::Tensor q_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
 }
 
 std::string q_isa() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return "avx512-vnni";
+#elif defined(__AVX512F__)
   return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
   return "avx2";

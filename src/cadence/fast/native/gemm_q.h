@@ -10,6 +10,8 @@ namespace cadence {
 
 // GGML type ids (``gguf.GGMLQuantizationType``) of the block formats these kernels read
 enum QType : int64_t { Q_F32 = 0, Q_F16 = 1, Q_Q4_0 = 2, Q_Q4_1 = 3, Q_Q8_0 = 8 };
+// or'ed onto Q4_0 / Q4_1 / Q8_0: the rows are ``q_pack``ed and ``q_linear`` runs the integer kernel
+constexpr int64_t Q_PACKED = 256;
 
 // Bytes of one row of K weights in format ``type``; -1 for a type these kernels do not read.
 int64_t q_row_bytes(int64_t type, int64_t K);
@@ -23,6 +25,22 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int6
 
 // The weights w as fp32 (N, K): exactly ``gguf.quants.dequantize`` of the same bytes.
 at::Tensor q_dequantize(const at::Tensor& w, int64_t type, int64_t K);
+
+// The type ``q_pack`` makes of rows of K weights of ``type``: type | Q_PACKED where the integer
+// kernel (``gemm_qi.cpp``) runs them (Q4_0, Q4_1, Q8_0, K a multiple of 64, an AVX2 + FMA + F16C
+// build), else ``type`` itself (the fp32 kernel of this file).
+int64_t q_packed_type(int64_t type, int64_t K);
+
+// w (N, q_row_bytes(type, K)) in the file's layout -> the same bytes in ``gemm_qi.cpp``'s layout
+// (rows of the same length), or w itself where ``q_packed_type`` keeps ``type``.
+at::Tensor q_pack(const at::Tensor& w, int64_t type, int64_t K);
+
+// ``q_pack``'s inverse: packed rows (type ``packed``) -> the file's layout.
+at::Tensor q_unpack(const at::Tensor& w, int64_t packed, int64_t K);
+
+// ``q_linear`` on packed rows (``gemm_qi.cpp``): x2 (m, K) fp32 contiguous, y (m, out) to fill.
+at::Tensor q_linear_packed(const at::Tensor& x2, const at::Tensor& w, int64_t packed, int64_t out, const float* bias,
+                           at::Tensor y);
 
 // Which vector code ``q_linear`` was compiled to: "avx512", "avx2" or "generic".
 std::string q_isa();

@@ -277,6 +277,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("out"), pybind11::arg("bias"));
   m.def("q_dequantize", &cadence::q_dequantize, "GGUF blocks -> fp32, gguf.quants.dequantize's bits (gemm_q.cpp)");
   m.def("q_row_bytes", &cadence::q_row_bytes, "bytes of a row of K weights of a GGML type, -1 if unread (gemm_q.cpp)");
+  m.def("q_pack", &cadence::q_pack, "GGUF blocks -> the integer kernel's layout, or as they are (gemm_qi.cpp)");
+  m.def("q_unpack", &cadence::q_unpack, "q_pack's inverse (gemm_qi.cpp)");
+  m.def("q_packed_type", &cadence::q_packed_type, "the type q_pack makes of a GGML type's rows (gemm_qi.cpp)");
   m.def("q_isa", &cadence::q_isa, "the vector code q_linear was built to: avx512, avx2 or generic (gemm_q.cpp)");
   m.def("argmax_rows", &cadence::argmax_rows, "x.argmax(-1) of CPU rows, one vector pass (fused.cpp)");
   m.def("silu_mul", &cadence::silu_mul, "silu(gate) * up of [gate | up] rows, one pass (fused.cpp)");

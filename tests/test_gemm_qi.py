@@ -1,0 +1,175 @@
+"""The integer kernel on a GGUF file's blocks (``fast/native/gemm_qi.cpp``, ``--quant gguf``).
+
+What must hold: ``q_pack`` keeps every byte (``q_unpack`` gives the file's rows back, the
+weights dequantize as before); ``q_linear`` on packed rows equals, bit for bit, a numpy model of
+the arithmetic the file's header states (activations rounded to 8 bits per block of 32, exact
+integer block sums, fp32 scaling in 16 lanes, the fixed lane total); a row's bits do not depend
+on the other rows, the row count or the thread count; and (slow) the AVX2 and AVX-512 builds
+give the same bits. Blocks are made here with numpy and ``gguf`` (no model download).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cadence.fast import native
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+ops = native.module()
+packs = ops is not None and ops.q_packed_type(int(T.Q4_1), 64) != int(T.Q4_1)
+needs_kernel = pytest.mark.skipif(not packs, reason="needs the native extension built for AVX2 or AVX-512")
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+f32 = np.float32
+
+
+def blocks(w: np.ndarray, qtype) -> torch.Tensor:
+    data = gguf.quants.quantize(w.astype(np.float32), qtype)
+    return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(w.shape[0], -1).copy())
+
+
+def weights(out: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out, k)).astype(np.float32) * 0.05
+    w[0, :32] = 0.0  # an all-zero block
+    w[1, 32:64] = 3.0  # a constant block
+    w[2, 64:96] = -1.0
+    return w
+
+
+def fields(b: torch.Tensor, qtype, k: int):
+    """The file's blocks -> (q (out, nb, 32) int64 as the kernel reads them, d (out, nb), m (out, nb)) float32."""
+    raw = b.numpy().reshape(b.shape[0], k // 32, -1)
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(f32)
+    if qtype == T.Q8_0:
+        return raw[..., 2:].view(np.int8).astype(np.int64), d, None
+    qs = raw[..., 4:] if qtype == T.Q4_1 else raw[..., 2:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(f32) if qtype == T.Q4_1 else d
+    return q, d, m
+
+
+def fma(a, b, c):
+    """fp32 a * b + c rounded once (float64 holds the product exactly)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(f32)
+
+
+def total(v: np.ndarray) -> np.ndarray:
+    """(..., 16) -> (...): lanes added 8, 4, 2, 1 apart."""
+    v = v[..., :8] + v[..., 8:]
+    v = v[..., :4] + v[..., 4:]
+    return (v[..., 0] + v[..., 2]) + (v[..., 1] + v[..., 3])
+
+
+def reference(x: np.ndarray, b: torch.Tensor, qtype, bias) -> np.ndarray:
+    """The header's arithmetic in numpy: x (m, k) float32 -> (m, out) float32."""
+    m_rows, k = x.shape
+    nb = k // 32
+    xb = x.reshape(m_rows, nb, 32).astype(f32)
+    amax = np.abs(xb).max(-1)
+    d_x = (amax / f32(127)).astype(f32)
+    with np.errstate(divide="ignore"):
+        idx = np.where(d_x != 0, f32(1) / d_x, f32(0)).astype(f32)
+    q_x = np.rint(xb * idx[..., None]).astype(np.int64)
+    s_x = (d_x * q_x.sum(-1).astype(f32)).astype(f32)
+    q_w, d_w, m_w = fields(b, qtype, k)
+    out = q_w.shape[0]
+    # lane 4 i + t of block b's region: products of weights 4t..4t+3 and 16+4t..16+4t+3
+    prod = np.einsum("onk,rnk->ronk", q_w, q_x).reshape(m_rows, out, nb, 2, 4, 4).sum(axis=(3, 5))  # (r, o, nb, t)
+    acc = np.zeros((m_rows, out, 16), dtype=f32)
+    for b0 in range(0, nb, 4):
+        n = min(4, nb - b0)
+        lanes = slice(0, 4 * n)
+        isum = prod[:, :, b0:b0 + n, :].reshape(m_rows, out, 4 * n).astype(f32)
+        dd = (np.repeat(d_w[:, b0:b0 + n], 4, axis=-1)[None] * np.repeat(d_x[:, b0:b0 + n], 4, axis=-1)[:, None]).astype(f32)
+        acc[..., lanes] = fma(isum, dd, acc[..., lanes])
+        if qtype != T.Q8_0:  # s (Q4_0: -8 s) at lane 4 i, 0 elsewhere; m (Q4_0: d) spread
+            ss = np.zeros((m_rows, 4 * n), dtype=f32)
+            ss[:, ::4] = s_x[:, b0:b0 + n] * (f32(-8) if qtype == T.Q4_0 else f32(1))
+            mv = np.repeat(m_w[:, b0:b0 + n], 4, axis=-1)
+            acc[..., lanes] = fma(np.broadcast_to(mv[None], acc[..., lanes].shape),
+                                  np.broadcast_to(ss[:, None], acc[..., lanes].shape), acc[..., lanes])
+    y = total(acc)
+    if bias is not None:
+        y = (y + bias.numpy()[None]).astype(f32)
+    return y
+
+
+def packed(b: torch.Tensor, qtype, k: int):
+    pt = ops.q_packed_type(int(qtype), k)
+    return ops.q_pack(b, int(qtype), k), pt
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [64, 576, 640])  # regions: one half; 4 whole + a half; 5 whole
+def test_pack_keeps_every_byte(qtype, k):
+    b = blocks(weights(24, k, int(qtype)), qtype)
+    p, pt = packed(b, qtype, k)
+    assert pt == int(qtype) | 256 and p.shape == b.shape
+    assert torch.equal(ops.q_unpack(p, pt, k), b)
+    assert torch.equal(ops.q_dequantize(p, pt, k), ops.q_dequantize(b, int(qtype), k))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [64, 576, 640, 1536])
+def test_products_are_the_stated_arithmetic_bit_for_bit(qtype, k):
+    out = 40
+    b = blocks(weights(out, k, int(qtype) + k), qtype)
+    p, pt = packed(b, qtype, k)
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    x[0, :32] = 0.0  # a zero activation block (scale 0)
+    x[1, 5] = 40.0  # an outlier
+    bias = torch.from_numpy(rng.standard_normal(out).astype(np.float32))
+    for bb in (None, bias):
+        got = ops.q_linear(torch.from_numpy(x), p, pt, out, bb).numpy()
+        want = reference(x, b, qtype, bb)
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), np.abs(got - want).max()
+    # close to the product with the dequantized weights (only the 8-bit activations differ)
+    dense = torch.from_numpy(x) @ ops.q_dequantize(b, int(qtype), k).T
+    assert torch.allclose(ops.q_linear(torch.from_numpy(x), p, pt, out, None), dense, rtol=0.05, atol=0.05 * k ** 0.5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_do_not_depend_on_the_other_rows_or_threads(qtype):
+    k, out = 576, 70  # columns not a multiple of the tiles
+    b = blocks(weights(out, k, 7), qtype)
+    p, pt = packed(b, qtype, k)
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(1))
+    y = ops.q_linear(x, p, pt, out, None)
+    for n in range(1, 12):
+        assert torch.equal(ops.q_linear(x[:n], p, pt, out, None), y[:n]), n
+    for i in range(0, 33, 5):
+        assert torch.equal(ops.q_linear(x[i:i + 1], p, pt, out, None), y[i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.q_linear(x, p, pt, out, None), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_unpackable_shapes_keep_the_file_layout():
+    b = blocks(weights(8, 96, 3), T.Q4_1)  # 3 blocks: odd, the fp32 kernel runs it
+    assert ops.q_packed_type(int(T.Q4_1), 96) == int(T.Q4_1)
+    assert ops.q_pack(b, int(T.Q4_1), 96) is not None
+    assert ops.q_packed_type(int(T.F16), 64) == int(T.F16)
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_avx2_and_avx512_builds_give_the_same_bits(level):
+    other = native.build_for(level)
+    for qtype in TYPES:
+        b = blocks(weights(24, 576, 5), qtype)
+        p, pt = packed(b, qtype, 576)
+        assert other.q_packed_type(int(qtype), 576) == pt
+        x = torch.randn(7, 576, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(other.q_linear(x, p, pt, 24, None), ops.q_linear(x, p, pt, 24, None)), qtype
