@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from cadence.backbone import load_backbone
-from cadence.engine import GenerationConfig
+from cadence.backbone.load import load_backbone
+from cadence.decode.engine import GenerationConfig
 from cadence.methods import Method, MethodSpec, make_engine
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "categories.jsonl"

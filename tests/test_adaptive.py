@@ -2,10 +2,10 @@
 
 import pytest
 
-from cadence.latency import LatencyCurve
+from cadence.costs.latency import LatencyCurve
 from cadence.schedulers.adaptive import AdaptiveScheduler, frontier
 from cadence.schedulers.base import StepInfo
-from cadence.schedulers.step_costs import StepCosts
+from cadence.costs.step_costs import StepCosts
 
 # Verification nearly free, acceptance high: the calibrated favourite is a big tree.
 TABLE = [[0.8, 0.1], [0.8, 0.1], [0.8, 0.1]]

@@ -36,7 +36,7 @@ from server_support import (  # noqa: F401 - fixtures are used by name
 from tiny import OracleDrafter, tiny_backbone
 
 from cadence.batch.serial import SerialEngine
-from cadence.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine, GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import make_engine
 from cadence.schedulers import StaticScheduler
@@ -345,7 +345,7 @@ def test_narrowing_flags_reach_the_batched_engine(capsys):
     from cadence.batch.narrow import NarrowConfig
     from cadence.cli import build_parser
     from cadence.cliargs import from_args
-    from cadence.fast import make_fast
+    from cadence.backbone.load import make_fast
     from cadence.server.command import multi_engine
     from cadence.server.config import NarrowFlags
 
@@ -372,12 +372,12 @@ def test_serve_build_passes_the_narrowing_flags(monkeypatch):
     """``cadence serve --batching batched --narrow-*``: the app's engine is a BatchEngine
     with those settings (the model loader is replaced by the tiny fast model)."""
     pytest.importorskip("cadence.batch.engine")
-    import cadence.backbone
+    import cadence.backbone.load
     from cadence.cli import build_parser
-    from cadence.fast import make_fast
+    from cadence.backbone.load import make_fast
     from cadence.server import command
 
-    monkeypatch.setattr(cadence.backbone, "load_backbone", lambda *a, **k: make_fast(tiny_backbone("llama"), "fast"))
+    monkeypatch.setattr(cadence.backbone.load, "load_backbone", lambda *a, **k: make_fast(tiny_backbone("llama"), "fast"))
     args = build_parser().parse_args(["serve", "--heads", "random", "--batching", "batched", "--max-batch", "3",
                                       "--narrow-mode", "root", "--narrow-min-batch", "2", "--narrow-max-nodes", "5"])
     app, conf = command.build(args)

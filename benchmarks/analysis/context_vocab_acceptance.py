@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.calibrate import _val_sequences, sequence_ranks
+from cadence.calibration.acceptance import _val_sequences, sequence_ranks
 from cadence.heads import load_heads
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-import cadence.dynamic_tree as dt
-import cadence.engine as engine_mod
-from cadence.engine import GenerationConfig
+import cadence.draft.grow as dt
+import cadence.decode.engine as engine_mod
+from cadence.decode.engine import GenerationConfig
 from cadence.methods import Method, MethodSpec, make_engine
 
 common.use("e2e")

@@ -31,12 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.latency import LatencyCurve
+from cadence.costs.latency import LatencyCurve
 from cadence.methods import Method, MethodSpec, make_engine
-from cadence.profiles import load_profiles
-from cadence.sampling import SamplingParams
-from cadence.tree_policy import best_tree, step_seconds
-from cadence.trees import expected_tau
+from cadence.heads.profiles import load_profiles
+from cadence.verify.sampling import SamplingParams
+from cadence.costs.tree_choice import best_tree, step_seconds
+from cadence.trees.tree import expected_tau
 
 
 def tokens_per_s(paths: list, table: list[list[float]], latency, draft_s: float, num_heads: int) -> float:
@@ -124,8 +124,8 @@ def curve_predictions(path: str | Path, dtype: str | None = None, heads_root: st
     or the calibrated table's depth, whichever is deeper, as ``cadence.methods`` sets it)."""
     from types import SimpleNamespace
 
-    from cadence.heads.policy import load_policy
-    from cadence.tree_policy import TreePolicy
+    from cadence.heads.tables import load_policy
+    from cadence.costs.tree_choice import TreePolicy
 
     latency, drafts, chains_only, _ = curve_from_file(path, dtype)
     out = {}

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 import common  # noqa: E402
 from cadence.batch import narrow
 from cadence.batch.engine import BatchEngine
-from cadence.engine import GenerationConfig
+from cadence.decode.engine import GenerationConfig
 from cadence.methods import Method, MethodSpec, make_engine
-from cadence.sampling import SamplingParams
+from cadence.verify.sampling import SamplingParams
 
 PROMPTS = common.PROMPTS / "categories.jsonl"
 

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-import cadence.engine as engine_mod
+import cadence.decode.engine as engine_mod
 from cadence.heads import attn_block
-from cadence.engine import GenerationConfig
+from cadence.decode.engine import GenerationConfig
 from cadence.methods import Method, MethodSpec, make_engine
 
 PROMPTS = [

@@ -156,7 +156,7 @@ def draw_plots(results: dict, directory: str | Path) -> list[Path]:
 
 
 def generated_section(cfg: AblateConfig, results: dict, plots: list[Path], doc: Path) -> str:
-    from cadence.machine import machine_line
+    from cadence.system.machine import machine_line
 
     missing = [c.name for c in grid_cells() if c.name not in results]
     g = _grid_config(cfg)

@@ -51,12 +51,13 @@ import torch
 
 from cadence.batch.api import Event, failed
 from cadence.batch.layout import pack
-from cadence.batch.narrow import MAX_NODES, CappedScheduler, NarrowConfig, Narrowing
+from cadence.batch.narrow import CappedScheduler, NarrowConfig, Narrowing
 from cadence.batch.prefill import Prefill
 from cadence.batch.step_rates import ROOT, SPECULATE, StepRates
-from cadence.engine import Engine, GenerationConfig, PendingStep, Request, drafter_states
+from cadence.decode.engine import Engine, GenerationConfig, PendingStep, Request, drafter_states
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
+from cadence.trees.budget import MAX_NODES
 
 INITIAL_CAPACITY = 256  # per-row cache entries before the first doubling
 log = logging.getLogger(__name__)

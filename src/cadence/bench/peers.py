@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from cadence.engine import Generation, GenerationConfig, Stats
+from cadence.decode.engine import Generation, GenerationConfig, Stats
 from cadence.errors import CadenceError
 
 PEERS = ("hf-generate", "hf-pld", "llama.cpp")
@@ -157,7 +157,7 @@ def llama_cpp_decodes(gguf: Path, timeout: float = 120.0, code: str = _PROBE) ->
 
 def gguf_for(model_spec: str) -> Path | None:
     """The GGUF file behind a --model value, when there is one."""
-    from cadence.backbone import DEFAULT_MODEL, smollm2_gguf_path
+    from cadence.backbone.load import DEFAULT_MODEL, smollm2_gguf_path
 
     if model_spec == DEFAULT_MODEL:
         return smollm2_gguf_path()

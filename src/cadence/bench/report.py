@@ -14,7 +14,7 @@ import platform
 import re
 from pathlib import Path
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.system.atomic import atomic_write, atomic_write_json
 from cadence.bench import metrics as M
 from cadence.errors import CadenceError
 
@@ -23,10 +23,10 @@ ALL = "all"  # the pseudo-task pooling every task
 
 def machine() -> dict:
     try:
-        from cadence.machine import machine_info
+        from cadence.system.machine import machine_info
 
         return machine_info()
-    except ImportError:  # pragma: no cover - cadence.machine ships with the package
+    except ImportError:  # pragma: no cover - cadence.system.machine ships with the package
         import os
 
         import torch

@@ -191,7 +191,7 @@ def random_backbone(name: str | Path, dtype: str | torch.dtype = "bfloat16", see
     (``shape_names()``, a folder or a config.json). CadenceError, before anything is
     allocated, when the shape needs more memory than the machine has free (``memory_plan``;
     ``check_memory=False`` skips the check) or the fast path does not support it."""
-    from cadence.backbone import Backbone, resolve_dtype
+    from cadence.backbone.base import Backbone, resolve_dtype
     from cadence.fast import arch
     from cadence.fast.model import FastBackbone
 

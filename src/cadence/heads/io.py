@@ -1,5 +1,5 @@
 """Create, save and load heads: ``heads.safetensors`` + ``config.json`` (+ ``draft_config.json``,
-the calibration: ``cadence.heads.policy``) in one directory."""
+the calibration: ``cadence.heads.tables``) in one directory."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.system.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 from cadence.heads.base import DraftHeads, HeadConfig
-from cadence.heads.policy import load_policy, save_policy
+from cadence.heads.tables import load_policy, save_policy
 
 KINDS = ("medusa", "hydra", "mtp", "eagle", "eagle3", "mtp-attn")
 ATTENTION_KINDS = ("eagle", "eagle3", "mtp-attn")  # heads with their own KV cache over the request's context

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.system.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 
 CLP_FILE, CONF_FILE = "clp", "confidence"

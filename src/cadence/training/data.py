@@ -37,7 +37,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.system.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 from cadence.prompts import PromptItem, held_out, item_hash
 
@@ -168,7 +168,7 @@ def batched_replies(backbone, prompts: list[list[int]], cfg: DistillConfig) -> l
     """Greedy replies (EOS included) through ``BatchEngine``: continuous batching over at most
     ``cfg.batch_size`` rows, each row decoding exactly as it would alone (vanilla, no heads)."""
     from cadence.batch.engine import BatchEngine
-    from cadence.engine import GenerationConfig
+    from cadence.decode.engine import GenerationConfig
 
     engine = BatchEngine(backbone, max_batch=cfg.batch_size)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
@@ -280,7 +280,7 @@ def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
         raise CadenceError(f"{out} holds data of another format (safetensors shards, made before the store); "
                            "train and calibrate still read it, but distill into a new --out")
     if backbone is None:
-        from cadence.backbone import load_backbone
+        from cadence.backbone.load import load_backbone
         backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, backend=_backend(cfg))
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)

@@ -350,7 +350,7 @@ def _auc(score: torch.Tensor, y: torch.Tensor) -> float:
 # ---------------------------------------------------------------- commands
 
 def _load(cfg: SmallHeadConfig):
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
     from cadence.heads import load_heads
     from cadence.heads.io import KINDS
 
@@ -359,7 +359,7 @@ def _load(cfg: SmallHeadConfig):
     backbone = load_backbone(cfg.model, cfg.dtype, cfg.device)
     path = Path(cfg.heads)
     if not path.is_dir() and cfg.heads in KINDS:
-        from cadence.methods import shipped_heads_dir
+        from cadence.heads.shipped import shipped_heads_dir
 
         path = shipped_heads_dir(backbone, cfg.heads)
         if path is None:

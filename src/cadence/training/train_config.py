@@ -163,7 +163,7 @@ def init_heads(cfg: TrainConfig, backbone):
     """The heads saved in ``cfg.init_from`` (weights and draft vocabulary; not their calibration,
     which the new weights make stale), checked to be the kind and count this run trains."""
     from cadence.heads.io import load_heads
-    from cadence.heads.policy import DraftPolicy
+    from cadence.heads.tables import DraftPolicy
 
     heads = load_heads(cfg.init_from, backbone)
     if (heads.cfg.kind, heads.cfg.num_heads) != (cfg.kind, cfg.num_heads):

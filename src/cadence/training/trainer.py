@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 from tqdm import tqdm
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.system.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 from cadence.heads.io import ATTENTION_KINDS, new_heads, save_heads
 from cadence.training import losses as L
@@ -165,7 +165,7 @@ class _Run:
         cfg = self.cfg
         set_seed(cfg.seed)
         if backbone is None:
-            from cadence.backbone import load_backbone
+            from cadence.backbone.load import load_backbone
             backbone = load_backbone(cfg.model, cfg.dtype, str(self.accelerator.device))
         backbone.requires_grad_(False)
         self.backbone = backbone

@@ -80,7 +80,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.system.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 
 FORMATS = {"vllm-eagle": "EagleLlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle",
@@ -329,7 +329,7 @@ def import_eagle(directory: str | Path, backbone):
 def _backbone_config(spec: str) -> dict | None:
     if not spec:
         return None
-    from cadence.backbone import resolve_model_dir
+    from cadence.backbone.load import resolve_model_dir
 
     path, _ = resolve_model_dir(spec)
     return json.loads((Path(path) / "config.json").read_text())
@@ -354,7 +354,7 @@ def register(sub) -> None:
 def _lm_weight(spec: str) -> torch.Tensor | None:
     if not spec:
         return None
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
 
     return load_backbone(spec, "float32", backend="transformers").lm_head.weight.detach()
 

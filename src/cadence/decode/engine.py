@@ -40,15 +40,15 @@ from typing import Iterator
 
 import torch
 
-from cadence.detok import Detokenizer
-from cadence.drafter import Draft
+from cadence.decode.detok import Detokenizer
+from cadence.draft.base import Draft
 from cadence.errors import CadenceError
-from cadence.sampling import SamplingParams, argmax, probs, sample
+from cadence.verify.sampling import SamplingParams, argmax, probs, sample
 from cadence.schedulers.base import Plan, Scheduler, SchedulerFactory, StepInfo, StepState
 from cadence.schedulers.static import StaticScheduler
-from cadence.scorer import score
-from cadence.trees import CompiledTree, compile_tree, truncate
-from cadence.verify import RULES, Rule, VerifyContext, unverified
+from cadence.verify.scorer import score
+from cadence.trees.tree import CompiledTree, compile_tree, truncate
+from cadence.verify.rules import RULES, Rule, VerifyContext, unverified
 
 
 @dataclass
@@ -225,7 +225,7 @@ class Request:
 
     Iterating yields each step's committed token ids; ``tokens`` are all of them,
     ``text`` the text so far (complete characters, cut at a stop string), ``take_text()``
-    the part of it not shown yet that can be shown safely (see ``cadence.detok``).
+    the part of it not shown yet that can be shown safely (see ``cadence.decode.detok``).
     """
 
     def __init__(self, engine: Engine, prompt_ids: list[int], cfg: GenerationConfig):

@@ -33,7 +33,7 @@ def _version(pkg: str) -> str | None:
 
 def auto_dtype() -> tuple[str, str]:
     """(dtype, reason) that ``--dtype auto`` takes on this CPU for a fast-decoder model."""
-    from cadence.fast.cpu import native_bf16, onednn_available
+    from cadence.system.machine import native_bf16, onednn_available
 
     if os.environ.get("CADENCE_CPU_AUTO_DTYPE", "").lower() in ("float32", "fp32"):
         return "float32", "CADENCE_CPU_AUTO_DTYPE=float32 is set"
@@ -46,7 +46,7 @@ def auto_dtype() -> tuple[str, str]:
 
 def auto_kernels(native_state: str) -> dict:
     """The projection kernel ``auto`` picks per dtype, without building anything."""
-    from cadence.fast.cpu import has_amx, onednn_available
+    from cadence.system.machine import has_amx, onednn_available
 
     dense = "onednn" if onednn_available() else "aten"
     bf16 = dense
@@ -59,7 +59,7 @@ def forced_isa() -> dict:
     """``CADENCE_ISA``: the instruction set forced (``native`` when unset), what the native
     extension is compiled for, and what is wrong with the switch in this process (None: nothing)."""
     from cadence.fast import native
-    from cadence.fast.cpu import ISA_MARCH, isa, isa_env, isa_mismatch
+    from cadence.system.machine import ISA_MARCH, isa, isa_env, isa_mismatch
 
     try:
         level = isa()
@@ -91,8 +91,8 @@ def collect() -> dict:
     import torch
 
     from cadence.fast import native
-    from cadence.fast.cpu import cpu_flags, isa_limits
-    from cadence.machine import cpu_model, git_commit, ram_gib
+    from cadence.system.machine import cpu_flags, isa_limits
+    from cadence.system.machine import cpu_model, git_commit, ram_gib
 
     flags = cpu_flags()
     build = native.build_state()
