@@ -144,26 +144,31 @@ def test_sampling_grows_dynamic_trees_of_point_masses(backbones):
 
 def test_method_spec_builds_it_and_checks_settings(backbones):
     bb = backbones["llama"]
-    spec = MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", dyn_nodes=6)
+    spec = MethodSpec.parse("eagle+dynamic@random,max_nodes=6")
+    assert spec == MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", options={"max_nodes": 6})
+    assert MethodSpec.parse(spec.format()) == spec
     eng = make_engine(bb, spec)
     out = eng.generate(PROMPTS[1], GenerationConfig(max_new_tokens=24))
     assert out.tokens == reference(bb, PROMPTS[1], 24)
     assert all(s.nodes <= 7 for s in out.stats.step_log)
-    for bad in (dict(dyn_topk=0), dict(dyn_nodes=0), dict(copy_conf=0.0), dict(copy_conf=1.5), dict(copy_run_conf=-1.0)):
+    for bad in (dict(dyn_topk=0), dict(max_nodes=0), dict(max_nodes=128), dict(copy_conf=0.0), dict(copy_conf=1.5),
+                dict(copy_run_conf=-1.0)):
         with pytest.raises(CadenceError):
-            make_engine(bb, MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", **bad))
+            make_engine(bb, MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", options=bad))
 
 
 def gated_factory(bb, heads, latency, **spec):
     """The ``dynamic`` scheduler's factory for calibrated heads (a made-up table and curve)."""
     from cadence.heads.tables import DraftPolicy
-    from cadence.schedulers.registry import SchedulerContext, entry
+    from cadence.methods import scheduler_context
+    from cadence.schedulers.registry import entry
     from cadence.costs.tree_choice import TreePolicy
 
     heads.policy = DraftPolicy(acceptance=[[0.8, 0.1]] * 3, copy_acceptance=[[0.8, 0.1]] * 6)
     drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
     policy = TreePolicy("auto", heads, drafter, latency=latency, draft_s=0.0001)
-    ctx = SchedulerContext(bb, heads, drafter, policy, MethodSpec(method=Method.EAGLE, scheduler="dynamic", **spec))
+    ctx = scheduler_context(bb, heads, drafter, policy, MethodSpec(method=Method.EAGLE, scheduler="dynamic", options=spec),
+                            "dynamic")
     return drafter, entry("dynamic").build(ctx)
 
 

@@ -121,7 +121,7 @@ def setup(tmp_path_factory):
 
 def _engine(setup, scheduler, copy=True, **kw):
     bb, root, hdir = setup[:3]
-    spec = MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="chain", scheduler=scheduler, copy=copy, **kw)
+    spec = MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="chain", scheduler=scheduler, copy=copy, options=kw)
     return make_engine(bb, spec)
 
 

@@ -25,7 +25,7 @@ import common  # noqa: E402
 import cadence.draft.grow as dt
 import cadence.decode.engine as engine_mod
 from cadence.decode.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.methods import MethodSpec, make_engine
 
 common.use("e2e")
 from draft_cost import PROMPTS  # noqa: E402
@@ -93,8 +93,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="write the tallies as JSON here")
     args = ap.parse_args()
     bb = common.backbone(args.model, "auto")
-    eng = make_engine(bb, MethodSpec(method=Method(args.method), heads=args.heads, copy=not args.no_copy,
-                                           scheduler="dynamic"))
+    eng = make_engine(bb, MethodSpec.parse(f"{args.method}+dynamic", MethodSpec(heads=args.heads, copy=not args.no_copy)))
     prompts = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
     if args.shard:
         prompts += shard_prompts(args.shard, args.shard_prompts)

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
 from cadence.costs.latency import LatencyCurve
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.methods import MethodSpec, make_engine
 from cadence.heads.profiles import load_profiles
 from cadence.verify.sampling import SamplingParams
 from cadence.costs.tree_choice import best_tree, step_seconds
@@ -159,7 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     bb = common.backbone(args.model, args.dtype)
     latency = curve_from_file(args.curve, args.curve_dtype)[0] if args.curve else None
-    engine = make_engine(bb, MethodSpec(method=Method(args.method), heads=args.heads), latency=latency)
+    engine = make_engine(bb, MethodSpec.parse(args.method, MethodSpec(heads=args.heads)), latency=latency)
     policy, heads = engine.tree_policy, engine.drafter.heads
     if args.curve:
         policy, curve_dtype = with_curve(engine, args.curve, args.curve_dtype, args.method)

@@ -29,7 +29,7 @@ import common  # noqa: E402
 from cadence.batch import narrow
 from cadence.batch.engine import BatchEngine
 from cadence.decode.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.methods import MethodSpec, make_engine
 from cadence.verify.sampling import SamplingParams
 
 PROMPTS = common.PROMPTS / "categories.jsonl"
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(common.RUNS / "batch-sweep.json"))
     args = ap.parse_args()
     bb = common.backbone(args.model, args.dtype, backend="fast")
-    hydra = make_engine(bb, MethodSpec(method=Method.HYDRA))
+    hydra = make_engine(bb, MethodSpec.parse("hydra"))
     grid = narrow.load_or_measure(bb, remeasure=args.remeasure, verbose=True)
     makers = {
         "vanilla": lambda b: BatchEngine(bb, max_batch=b),

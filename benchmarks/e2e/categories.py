@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
 from cadence.decode.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = common.PROMPTS / "categories.jsonl"
 
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(common.RUNS / "categories.json"))
     args = ap.parse_args()
     bb = common.backbone(args.model, args.dtype, backend=args.backend, quant=args.quant)
-    engines = {"vanilla": make_engine(bb, MethodSpec(method=Method.VANILLA))}
+    engines = {"vanilla": make_engine(bb, MethodSpec.parse("vanilla"))}
     for m in args.methods:
         engines[m] = make_engine(bb, parse_method(m))
     trees = {m: f"{e.scheduler_name}, --tree {e.tree_policy.name}"

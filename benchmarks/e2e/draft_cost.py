@@ -7,11 +7,11 @@ the categories' prompts) and times, per step, the drafter's calls (``draft``, sh
 Methods are interleaved per prompt after a warm-up generation each, and each method's output
 is compared with plain decoding's (``identical``).
 
-A method may carry variant flags after a colon: ``:fp32`` drafts with float32
-heads on a bf16 backbone (``MethodSpec.heads_dtype``; the default, auto, drafts in bf16 there),
-``:py`` runs the attention heads' drafter block in Python instead of C++
-(``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy:fp32:py``; ``eagle@DIR``
-takes the heads from DIR, as in ``cadence bench``.
+Methods are named as for ``cadence generate --method`` (``MethodSpec.parse``: ``eagle@DIR``,
+``eagle+dynamic,max_nodes=8``, ...) and may carry this script's variants after ``~``: ``~fp32`` drafts
+with float32 heads on a bf16 backbone (``MethodSpec.heads_dtype``; the default, auto, drafts in bf16
+there), ``~py`` runs the attention heads' drafter block in Python instead of C++
+(``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy~fp32~py``.
 
 Usage:  python benchmarks/e2e/draft_cost.py [--methods hydra eagle mtp-attn] [--max-new-tokens 128]
 """
@@ -30,7 +30,7 @@ import common  # noqa: E402
 import cadence.decode.engine as engine_mod
 from cadence.heads import attn_block
 from cadence.decode.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = [
     "Write a Python function that merges two sorted lists into one sorted list.",
@@ -68,26 +68,17 @@ class _Timer:
 
 
 def spec_of(name: str) -> tuple[MethodSpec, bool]:
-    """'eagle/nocopy:fp32:py' -> (its MethodSpec, whether the drafter block runs in Python);
-    'eagle@DIR/nocopy' takes the heads from DIR (as in ``cadence bench``); 'eagle+dynamic'
-    picks a scheduler, and ':FIELD=VALUE' sets a MethodSpec field, e.g.
-    'eagle+dynamic/nocopy:dyn_nodes=8'."""
-    base, *flags = name.split(":")
-    fields = dict(f.split("=", 1) for f in flags if "=" in f)
-    flags = [f for f in flags if "=" not in f]
+    """A method name of ``MethodSpec.parse``'s grammar (as ``cadence generate --method`` and
+    ``cadence bench`` read it), with this script's own variants after '~': 'eagle/nocopy~fp32~py'
+    -> (its MethodSpec with heads_dtype float32, whether the drafter block runs in Python);
+    e.g. 'eagle+dynamic/nocopy,max_nodes=8'."""
+    text, *flags = name.split("~")
     bad = set(flags) - {"fp32", "py"}
     if bad:
-        raise SystemExit(f"unknown variant flag(s) {sorted(bad)} in {name!r}: use :fp32 and/or :py")
-    copy = not base.endswith("/nocopy")
-    base = base.removesuffix("/nocopy")
-    base, _, where = base.partition("@")
-    kind, _, scheduler = base.partition("+")
-    spec = MethodSpec(method=Method(kind), copy=copy, heads=where or "default", scheduler=scheduler or "auto",
-                      heads_dtype="float32" if "fp32" in flags else "auto")
-    for key, value in fields.items():
-        if not hasattr(spec, key):
-            raise SystemExit(f"unknown MethodSpec field {key!r} in {name!r}")
-        setattr(spec, key, type(getattr(spec, key))(value))
+        raise SystemExit(f"unknown variant flag(s) {sorted(bad)} in {name!r}: use ~fp32 and/or ~py")
+    spec = MethodSpec.parse(text)
+    if "fp32" in flags:
+        spec.heads_dtype = "float32"
     return spec, "py" in flags
 
 
@@ -169,8 +160,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--methods", nargs="+", default=["vanilla", "hydra", "eagle", "mtp-attn"],
-                    help="vanilla | medusa | hydra | mtp | eagle | mtp-attn, optionally with /nocopy, "
-                         "then variant flags :fp32 (float32 heads) and :py (drafter block in Python)")
+                    help="method names (MethodSpec.parse, as cadence generate --method), then variant flags "
+                         "~fp32 (float32 heads) and ~py (drafter block in Python)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="", help="write the rows as JSON here")

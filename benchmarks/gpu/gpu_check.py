@@ -157,7 +157,7 @@ def greedy_section(device: torch.device, plan: Plan, work: Path) -> dict:
         for method, sched, _ in cases:
             if method != "ngram" and method not in heads_dirs:
                 heads_dirs[method] = str(calibrated_random_heads(bb, method, work / f"heads-{arch}-{backend}-{method}"))
-            spec = MethodSpec(method=Method(method), heads=heads_dirs.get(method, "random"), scheduler=sched)
+            spec = MethodSpec.parse(f"{method}+{sched}", MethodSpec(heads=heads_dirs.get(method, "random")))
             try:
                 engine = make_engine(bb, spec, latency=latency)
                 for ids, ref in zip(prompts, refs):
@@ -280,7 +280,7 @@ def bf16_section(device: torch.device, plan: Plan, work: Path) -> dict:
         for method in ("hydra", "eagle"):
             heads = str(calibrated_random_heads(bb, method, work / f"bf16-{backend}-{method}"))
             for sched in ("static", "dynamic"):
-                engine = make_engine(bb, MethodSpec(method=Method(method), heads=heads, scheduler=sched), latency=latency)
+                engine = make_engine(bb, MethodSpec.parse(f"{method}+{sched}", MethodSpec(heads=heads)), latency=latency)
                 same = sum(engine.generate(i, cfg).tokens == r for i, r in zip(ids, refs))
                 rows[f"{backend}/{method}/{sched}"] = {"identical": same, "of": len(ids), "kernels": getattr(bb, "kernels", "transformers")}
         del bb

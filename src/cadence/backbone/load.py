@@ -26,6 +26,7 @@ from cadence.errors import CadenceError
 from cadence.fast.arch import unsupported_reason
 from cadence.fast.model import FastBackbone
 from cadence.fast.quant import QUANTS
+from cadence.system import cache as disk_cache
 from cadence.system import locks
 from cadence.system.cache import root as cache_root
 from cadence.system.machine import native_bf16, onednn_available

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from cadence.draft.context_copy import CopyConfig, NgramIndex
 from cadence.trees.tree import CompiledTree, compile_tree
 from cadence.verify.sampling import SamplingParams
 
@@ -93,3 +94,20 @@ def drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, 
     return Draft(tokens=torch.tensor([tokens[0]] + [tokens[i] for i in keep], dtype=torch.long, device=device),
                  q=None if q is None else q[[0] + keep], tree=sub,
                  fixed=frozenset(new_index[i] for i in fixed if i in new_index))
+
+
+class GrowingDrafter(Protocol):
+    """What growing a dynamic tree (``grow.draft_dynamic``) uses of a drafter: the public
+    drafting calls ``HeadDrafter`` gives it."""
+
+    heads: object  # the draft heads (``heads.base.DraftHeads``)
+    num_heads: int  # K: levels the heads draft
+    copy_depth: int  # deepest level a context copy may fill
+    context_vocab: int  # context-vocabulary tokens per request (0 = off)
+    copy: CopyConfig | None  # the context copy's settings (None = off)
+
+    def begin(self, state: DraftState | None, hidden: torch.Tensor, context, root: int):
+        """Extend the request's head cache to the committed context and start a draft."""
+
+    def logits(self, feats: torch.Tensor, extra):
+        """Head features -> (logits over the draft vocabulary [+ context tokens], their ids or None)."""

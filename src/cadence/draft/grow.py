@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from cadence.draft.context_copy import NgramIndex
-from cadence.draft.base import Draft, DraftState
+from cadence.draft.base import Draft, DraftState, GrowingDrafter
 from cadence.verify.sampling import SamplingParams, probs
 from cadence.trees.tree import CompiledTree, compile_tree
 
@@ -151,7 +151,7 @@ def to_draft(root: int, chosen: list[_Cand], device) -> Draft:
 
 
 @torch.inference_mode()
-def head_levels(drafter: "HeadDrafter", spec: DynamicTree) -> int:
+def head_levels(drafter: GrowingDrafter, spec: DynamicTree) -> int:
     """Levels the heads draft: ``spec.depth`` for heads that serve any depth (eagle's one
     layer), else at most their K. Example: eagle K = 3, depth 5 -> 5; hydra K = 3 -> 3."""
     if spec.depth <= 0:
@@ -159,7 +159,7 @@ def head_levels(drafter: "HeadDrafter", spec: DynamicTree) -> int:
     return spec.depth if getattr(drafter.heads, "any_depth", False) else min(spec.depth, drafter.num_heads)
 
 
-def draft_dynamic(drafter: "HeadDrafter", spec: DynamicTree, root: int, hidden: torch.Tensor, context: list[int],
+def draft_dynamic(drafter: GrowingDrafter, spec: DynamicTree, root: int, hidden: torch.Tensor, context: list[int],
                   limit: int, copies: NgramIndex | None = None, state: DraftState | None = None,
                   sampling: SamplingParams | None = None) -> Draft:
     """A dynamic tree (module docstring). hidden: (d,) state that produced ``root``; limit:
@@ -210,7 +210,7 @@ def draft_dynamic(drafter: "HeadDrafter", spec: DynamicTree, root: int, hidden: 
     return to_draft(root, chosen[:n], device)
 
 
-def _head_children(drafter: "HeadDrafter", frontier: list[_Cand], depth: int, state_of, ctx, extra,
+def _head_children(drafter: GrowingDrafter, frontier: list[_Cand], depth: int, state_of, ctx, extra,
                    k: int, next_id: int, sampling: SamplingParams | None = None) -> list[_Cand]:
     """The top-k children of each frontier node at ``depth`` (one batched heads call); node
     states go into ``state_of`` for the next level. At T > 0 the children and their values

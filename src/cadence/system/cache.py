@@ -25,6 +25,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.utils.cpp_extension import get_default_build_root
+
 from cadence.system.atomic import atomic_write_json
 from cadence.system.locks import holder
 
@@ -50,7 +52,6 @@ def kernels_root() -> Path:
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     if env:
         return Path(env)
-    from torch.utils.cpp_extension import get_default_build_root
 
     return Path(get_default_build_root())
 
