@@ -135,6 +135,8 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
     if name in ("llama-cpp", "llamacpp", "llama_cpp"):
         name = "llama.cpp"
     if name in PEERS:
+        if "@" in text or "/novocab" in text:
+            raise CadenceError(f"{name} has no heads: {text!r} names heads or their vocabulary")
         if text.lower() not in (name, "llama-cpp", "llamacpp", "llama_cpp"):
             raise CadenceError(f"peer {name} takes no tree, scheduler or option ({text!r})")
         return MethodEntry(name, "peer")
@@ -158,7 +160,22 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
         raise CadenceError("ngram is the context copy: /nocopy leaves nothing to draft")
     if spec.method is Method.VANILLA:
         return MethodEntry("vanilla", "engine", MethodSpec(method=Method.VANILLA))
-    return MethodEntry(name + text[len(name):], "engine", spec)  # the name as written, the method in lower case
+    return MethodEntry(_label(text), "engine", spec)
+
+
+def _label(text: str) -> str:
+    """A method name in one spelling (the key of its records): the method in lower case, the
+    options in the grammar's order. Example: 'Eagle/novocab/nocopy' -> 'eagle/nocopy/novocab'."""
+    body, *assignments = text.split(",")
+    flags = []
+    while body.endswith(("/nocopy", "/novocab")):
+        body, _, opt = body.rpartition("/")
+        flags.append(opt)
+    head, at, where = body.partition("@")
+    name, sep, rest = head.partition(":") if ":" in head else head.partition("+")
+    head = name.lower() + sep + rest
+    return ",".join([head + (at + where) + "".join(f"/{f}" for f in ("nocopy", "novocab") if f in flags),
+                     *assignments])
 
 
 def parse_methods(cfg: BenchConfig) -> list[MethodEntry]:
