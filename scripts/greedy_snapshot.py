@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from cadence.backbone.load import load_backbone
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "categories.jsonl"

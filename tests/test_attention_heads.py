@@ -18,7 +18,9 @@ from tiny import tiny_backbone
 from cadence.backbone.load import load_backbone
 from cadence.draft.context_copy import CopyConfig
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig, drafter_states
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
+from cadence.decode.request import drafter_states
 from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads, save_heads
 from cadence.heads.eagle import EagleHeads

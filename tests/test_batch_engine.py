@@ -20,7 +20,8 @@ from cadence.batch.narrow import BatchLatency, CappedScheduler, NarrowConfig, Na
 from cadence.draft.context_copy import CopyConfig
 from cadence.draft.grow import DynamicTree
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.fast.model import FastBackbone
 from cadence.heads import new_heads

@@ -119,7 +119,7 @@ def test_bench_cli_with_model_dir_and_compare(tiny, tmp_path, custom, capsys):
 def test_llama_cpp_peer_with_a_fake_module(tiny, tmp_path, monkeypatch):
     """The llama.cpp adapter's control flow (the real package is optional and not built here)."""
     from cadence.bench.peers import make_peer
-    from cadence.decode.engine import GenerationConfig
+    from cadence.decode.generation import GenerationConfig
 
     class FakeLlama:
         def __init__(self, model_path, n_threads, n_ctx, verbose):

@@ -6,7 +6,7 @@ import pytest
 
 from cadence.calibration.acceptance import rank_table
 from cadence.calibration.command import CalibrateConfig, calibrate
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import load_heads, new_heads, save_heads
 from cadence.costs.latency import LatencyCurve
 from cadence.costs.tree_choice import best_tree
@@ -51,7 +51,8 @@ def test_calibrate_stores_a_tree_that_auto_uses(tmp_path):
     assert all(v == 0 for row in rep["copy_acceptance"][2:] for v in row[1:])  # past K: the copy only
     conf = json.loads((hdir / "draft_config.json").read_text())  # the policy, apart from the weights
     assert not {"tree", "acceptance", "copy_tree", "copy_acceptance"} & set(json.loads((hdir / "config.json").read_text()))
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     ids = bb.encode_prompt("abc", chat=True)
     cfg = GenerationConfig(max_new_tokens=20)
     ref = Engine(bb).generate(ids, cfg).tokens

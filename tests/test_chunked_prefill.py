@@ -14,7 +14,7 @@ from cadence.batch import prefill as prefill_mod
 from cadence.batch.engine import BatchEngine
 from cadence.batch.narrow import NarrowConfig
 from cadence.batch.prefill import causal_mask
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.schedulers import StaticScheduler
 

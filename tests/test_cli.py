@@ -7,7 +7,8 @@ from tiny import save_tiny
 
 from cadence.backbone.load import load_backbone
 from cadence.cli import main
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads, save_heads
 
 PROMPT = "Write a poem about the sea."

@@ -323,7 +323,8 @@ def test_bf16_speculation_over_weight_only_quantized_projections_is_byte_identic
 
 def _speculation_matches_plain_decoding(bb, right_rank: int) -> None:
     """Plain decoding's tokens from a branching tree and from a chain, serial and batched."""
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.schedulers import StaticScheduler
 
     cfg = GenerationConfig(max_new_tokens=40)

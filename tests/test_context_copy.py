@@ -8,7 +8,7 @@ from test_engine import K, N, bb, reference, spec_engine  # noqa: F401 (bb: fixt
 
 from cadence.draft.context_copy import CopyConfig, NgramIndex, merge_candidates
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
 from cadence.verify.sampling import SamplingParams
 from cadence.trees.tree import compile_tree, preset

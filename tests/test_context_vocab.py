@@ -7,7 +7,8 @@ from tiny import tiny_backbone
 
 from cadence.draft.context_vocab import ContextVocab, ContextVocabs
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
 from cadence.verify.sampling import SamplingParams
 from cadence.schedulers import StaticScheduler

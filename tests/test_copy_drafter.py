@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cadence.draft.copy_drafter import CopyDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.verify.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic tree (``dynamic_tree``, ``--scheduler dynamic``): the worked examples,
+"""EAGLE-2's dynamic tree (``draft.grow``, ``--scheduler dynamic``): the worked examples,
 lossless greedy decoding with random and oracle heads of every kind (with and without
 context copy), the latency-cut size, and point-mass trees at T > 0 (``--dyn-sampled``)."""
 
@@ -12,7 +12,8 @@ from tiny import tiny_backbone
 from cadence.draft.context_copy import CopyConfig
 from cadence.draft.head_drafter import HeadDrafter
 from cadence.draft.grow import DynamicTree, _Cand, best_size, draft_dynamic, select, to_draft
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
 from cadence.methods import Method, MethodSpec, make_engine
@@ -225,7 +226,7 @@ def test_copy_trust_follows_the_request():
 def test_copy_outcomes_come_back_from_the_engine(backbones):
     """The engine reports, per step, each flagged copy node whose parent was accepted and
     whether it was accepted itself; the scheduler's trust counts them."""
-    from cadence.decode.engine import copy_outcomes
+    from cadence.decode.request import copy_outcomes
     from cadence.schedulers.dynamic import DynamicScheduler
 
     tree = compile_tree([(0,), (0, 0)], name="c")

@@ -17,7 +17,8 @@ from tiny import tiny_backbone
 
 from cadence.cli import main
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import GenerationConfig, drafter_states
+from cadence.decode.generation import GenerationConfig
+from cadence.decode.request import drafter_states
 from cadence.errors import CadenceError
 from cadence.heads.export import export_heads
 from cadence.heads import load_heads, new_heads, save_heads

@@ -9,7 +9,8 @@ import torch
 from tiny import OracleDrafter, tiny_backbone
 
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
 from cadence.schedulers import StaticScheduler
 from cadence.trees.tree import compile_tree, preset_names

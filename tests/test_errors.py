@@ -8,7 +8,8 @@ from transformers import LlamaConfig, ViTConfig
 from cadence.backbone.base import resolve_dtype
 from cadence.backbone.load import load_backbone, resolve_model_dir
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
 from cadence.schedulers import StaticScheduler

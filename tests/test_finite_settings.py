@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.verify.sampling import MIN_TEMPERATURE, SamplingParams, probs
 

@@ -12,7 +12,8 @@ from transformers import MistralConfig, MistralForCausalLM
 from cadence.backbone.base import Backbone, cache_kwarg
 from cadence.draft.context_copy import CopyConfig
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
 from cadence.verify.sampling import SamplingParams, categorical, uniform

@@ -84,7 +84,7 @@ def test_every_flag_has_help_without_sources(monkeypatch):
 def test_every_cli_config_field_has_metadata_help():
     """Every dataclass given to add_fields: help in field metadata, one flag per field."""
     from cadence.calibration.command import CalibrateConfig
-    from cadence.decode.engine import GenerationConfig
+    from cadence.decode.generation import GenerationConfig
     from cadence.methods import MethodSpec
     from cadence.training.data import DistillConfig
     from cadence.training.trainer import TrainConfig

@@ -19,7 +19,8 @@ from scipy.stats import chisquare
 from tiny import BackboneDrafter, OracleDrafter, tiny_backbone
 
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
 from cadence.verify.sampling import SamplingParams, probs
 from cadence.schedulers import StaticScheduler

@@ -8,7 +8,8 @@ from tiny import OracleDrafter
 
 from cadence.batch.serial import SerialEngine
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
 from cadence.schedulers import StaticScheduler

@@ -36,7 +36,8 @@ from server_support import (  # noqa: F401 - fixtures are used by name
 from tiny import OracleDrafter, tiny_backbone
 
 from cadence.batch.serial import SerialEngine
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import make_engine
 from cadence.schedulers import StaticScheduler

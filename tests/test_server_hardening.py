@@ -33,7 +33,7 @@ from server_support import (  # noqa: F401 - fixtures are used by name
 from tiny import tiny_backbone
 
 from cadence.batch.serial import SerialEngine
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.methods import make_engine
 from cadence.server.metrics import Metrics
 from cadence.server.worker import Failure, Worker

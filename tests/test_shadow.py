@@ -3,7 +3,8 @@ commits it, and reports whether the backbone's next token matched (``Plan.shadow
 
 import pytest
 
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.schedulers.base import Plan
 from cadence.trees.tree import compile_tree
 from tiny import OracleDrafter, tiny_backbone
@@ -67,7 +68,7 @@ def test_the_cheap_shadow_is_the_token_a_one_draft_chain_carries(bb, copy):
 
     from cadence.draft.context_copy import CopyConfig
     from cadence.draft.head_drafter import HeadDrafter
-    from cadence.decode.engine import SHADOW_CHAIN
+    from cadence.decode.request import SHADOW_CHAIN
     from cadence.heads import new_heads
     from cadence.verify.sampling import SamplingParams
 

@@ -9,7 +9,8 @@ import torch
 from tiny import tiny_backbone
 
 from cadence.draft.head_drafter import HeadDrafter
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads, save_heads
 from cadence.heads.small import CLP, ConfidenceHead, load_small, save_small

@@ -9,7 +9,7 @@ from tiny import OracleDrafter
 from cadence.batch.engine import BatchEngine
 from cadence.batch.narrow import BatchLatency, NarrowConfig
 from cadence.batch.step_rates import ROOT, SPECULATE, StepRates
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.schedulers import StaticScheduler
 
 

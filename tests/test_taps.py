@@ -273,7 +273,8 @@ def test_batched_rows_draft_from_the_same_taps_as_the_serial_engine(temperature,
     from cadence.batch.engine import BatchEngine
     from cadence.batch.narrow import NarrowConfig
     from cadence.draft.head_drafter import HeadDrafter
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.fast.model import FastBackbone
     from cadence.heads import new_heads
     from cadence.schedulers import StaticScheduler

@@ -323,7 +323,7 @@ def test_fast_backend_distils_what_plain_decoding_gives(env, tmp_path):
     """``--backend fast``: continuous batching over 2 rows for 5 prompts; every reply equals the
     request decoded alone (vanilla engine) and transformers' generate (fp32 greedy)."""
     from cadence.backbone.load import load_backbone
-    from cadence.decode.engine import GenerationConfig
+    from cadence.decode.generation import GenerationConfig
     from cadence.methods import Method, MethodSpec, make_engine
 
     fast = load_backbone(str(env["model"]), "float32", "cpu", backend="fast")

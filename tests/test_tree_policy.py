@@ -4,7 +4,7 @@ import pytest
 
 from cadence.draft.head_drafter import HeadDrafter
 from cadence.draft.context_copy import CopyConfig
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
 from cadence.costs.latency import LatencyCurve
 from cadence.verify.sampling import SamplingParams

@@ -8,7 +8,7 @@ exactly (EntMTP estimates it from an EMA of past entropies), so a measured EntMT
 ratio above this bound would be noise, and a bound near 1.0 means that on this CPU the
 static tree is already close to the best choice at every entropy.
 
-Both trees are valued with the same model the schedulers use (``tree_policy.best_tree``:
+Both trees are valued with the same model the schedulers use (``tree_choice.best_tree``:
 expected tau under the table, step = verify latency of the tree's size + one head call per
 drafted level), with the shape filter of the backbone (chains only for lossless bf16).
 

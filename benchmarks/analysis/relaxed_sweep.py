@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 import common  # noqa: E402
 from cadence.bench import metrics as M
 from cadence.bench.tasks import load_task, seeded_subset
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.system.machine import cpu_model
 from cadence.methods import MethodSpec, make_engine
 from cadence.verify.rules import Rule

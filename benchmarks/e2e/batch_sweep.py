@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 import common  # noqa: E402
 from cadence.batch import narrow
 from cadence.batch.engine import BatchEngine
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.methods import MethodSpec, make_engine
 from cadence.verify.sampling import SamplingParams
 
@@ -86,7 +86,7 @@ def main() -> None:
     args = ap.parse_args()
     bb = common.backbone(args.model, args.dtype, backend="fast")
     hydra = make_engine(bb, MethodSpec.parse("hydra"))
-    grid = narrow.load_or_measure(bb, remeasure=args.remeasure, verbose=True)
+    grid = narrow.batch_latency(bb, remeasure=args.remeasure, verbose=True)
     makers = {
         "vanilla": lambda b: BatchEngine(bb, max_batch=b),
         "hydra": lambda b: BatchEngine.from_engine(hydra, b, narrow=narrow.NarrowConfig(mode="none")),

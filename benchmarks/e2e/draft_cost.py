@@ -27,9 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-import cadence.decode.engine as engine_mod
+import cadence.decode.request as request_mod
+from cadence.decode.engine import Engine
 from cadence.heads import attn_block
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = [
@@ -101,7 +102,7 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
     native_block = attn_block._native_block
     cfg = GenerationConfig(max_new_tokens=max_new)
     prompts = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
-    refs = [engine_mod.Engine(bb).generate(ids, cfg).tokens for ids in prompts]
+    refs = [Engine(bb).generate(ids, cfg).tokens for ids in prompts]
 
     def python_block(m: str) -> None:
         attn_block._native_block = (lambda *a: None) if specs[m][1] else native_block
@@ -109,7 +110,7 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
     for m, eng in engines.items():  # warm-up
         python_block(m)
         eng.generate(prompts[0], cfg)
-    real_score = engine_mod.score
+    real_score = request_mod.score
     totals = {m: {"draft_s": 0.0, "verify_s": 0.0, "total_s": 0.0, "steps": 0, "tokens": 0, "identical": 0,
                   "runs": 0} for m in methods}
     try:
@@ -124,12 +125,12 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                             timers[name] = _Timer(getattr(eng.drafter, name))
                             setattr(eng.drafter, name, timers[name])
                     verify = _Timer(real_score)
-                    engine_mod.score = verify
+                    request_mod.score = verify
                     t = time.perf_counter()
                     out = eng.generate(ids, cfg)
                     tot = totals[m]
                     tot["total_s"] += time.perf_counter() - t
-                    engine_mod.score = real_score
+                    request_mod.score = real_score
                     for name in timers:
                         delattr(eng.drafter, name)  # back to the class method
                     add_drafter_times(tot, timers)
@@ -139,7 +140,7 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                     tot["identical"] += out.tokens == refs[i]
                     tot["runs"] += 1
     finally:
-        engine_mod.score = real_score
+        request_mod.score = real_score
         attn_block._native_block = native_block
     rows = {}
     for m, t in totals.items():

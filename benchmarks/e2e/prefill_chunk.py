@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
 from cadence.batch.engine import BatchEngine
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = common.PROMPTS / "categories.jsonl"

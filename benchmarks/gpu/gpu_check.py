@@ -141,7 +141,8 @@ def calibrated_random_heads(bb, kind: str, directory: Path) -> Path:
 def greedy_section(device: torch.device, plan: Plan, work: Path) -> dict:
     from tiny import tiny_backbone
 
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.costs.latency import LatencyCurve
     from cadence.methods import Method, MethodSpec, make_engine
 
@@ -221,7 +222,8 @@ def sampling_section(device: torch.device, plan: Plan) -> dict:
     from tiny import BackboneDrafter, tiny_backbone
 
     from cadence.draft.head_drafter import HeadDrafter
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.heads import new_heads
     from cadence.schedulers import StaticScheduler
     from cadence.trees.tree import compile_tree
@@ -264,7 +266,8 @@ def sampling_section(device: torch.device, plan: Plan) -> dict:
 def bf16_section(device: torch.device, plan: Plan, work: Path) -> dict:
     from tiny import tiny_backbone
 
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.costs.latency import LatencyCurve
     from cadence.methods import Method, MethodSpec, make_engine
 
@@ -348,7 +351,8 @@ def shape_path(name: str, work: Path) -> str:
 def curves_section(device: torch.device, plan: Plan, work: Path, out: Path, deadline: float) -> dict:
     import shapes as shape_bench  # benchmarks/kernels/shapes.py
 
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.fast import shapes
 
     rows, ok = {}, True
@@ -393,7 +397,8 @@ def host_times(bb, plan: Plan, entry: dict) -> dict:
     """The engine's time per step beyond the forwards it runs: plain decoding against a bare
     forward loop; a chain of random hydra heads against its verify forward and drafting."""
     from cadence.draft.head_drafter import HeadDrafter
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.heads import new_heads
     from cadence.schedulers import StaticScheduler
 

@@ -48,7 +48,8 @@ def timed(fn, calls: int) -> float:
 def model_logits(n: int) -> torch.Tensor | None:
     """(n, V) logits of the default model along a short greedy reply, or None if it cannot load."""
     try:
-        from cadence.decode.engine import Engine, GenerationConfig
+        from cadence.decode.engine import Engine
+        from cadence.decode.generation import GenerationConfig
 
         bb = common.backbone("smollm2")
         ids = bb.encode_prompt("Write a short story about a lighthouse keeper.", chat=True)

@@ -66,7 +66,8 @@ def rss() -> int:
 def decode(bb, tokens: int, prompt: int = 32, seed: int = 0) -> dict:
     """Greedy decoding through cadence's engine without a drafter (``vanilla``): one untimed
     warm-up, then one timed generation of ``tokens`` tokens after a random prompt."""
-    from cadence.decode.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
 
     engine = Engine(bb)
     ids = torch.randint(0, min(bb.vocab_size, 10000), (prompt,), generator=torch.Generator().manual_seed(seed)).tolist()

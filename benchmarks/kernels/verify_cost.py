@@ -120,7 +120,8 @@ def hf_generate(bb, ids: list[int], max_new: int) -> list[int]:
 
 def engine_vanilla(bb):
     try:
-        from cadence.decode.engine import Engine, GenerationConfig
+        from cadence.decode.engine import Engine
+        from cadence.decode.generation import GenerationConfig
     except ImportError:  # the engine is optional here
         return None
     engine = Engine(bb)

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from cadence.backbone.load import add_model_args, load_backbone
 from cadence.cliargs import add_fields, from_args
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import Method, MethodSpec, add_method_flags, make_engine
 from cadence.prompts import jsonl_items

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from cadence.cliargs import add_fields, from_args
-from cadence.costs.latency import LatencyCurve, load_or_measure
+from cadence.costs.latency import LatencyCurve, latency_curve
 from cadence.costs.tree_choice import TreePolicy, draft_seconds
 from cadence.decode.engine import Engine
 from cadence.draft.context_copy import CopyConfig
@@ -231,7 +231,7 @@ def resolve_heads(backbone, spec: MethodSpec):
 
 def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None) -> Engine:
     """Backbone + heads + drafter + scheduler for ``spec`` (vanilla: no drafter). Trees are
-    resolved per request (``tree_policy.TreePolicy``); ``latency``: this machine's verify
+    resolved per request (``tree_choice.TreePolicy``); ``latency``: this machine's verify
     curve for ``--tree auto`` and the adaptive schedulers (default: measured once per
     machine and cached)."""
     if spec.method is Method.VANILLA:
@@ -245,7 +245,7 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     policy = TreePolicy(spec.tree, heads, drafter, chains_only=getattr(backbone, "chains_only", False))
     name = resolve_scheduler_name(spec, heads)
     if (spec.tree == "auto" or name != "static") and heads.policy.calibrated:
-        policy.latency = latency or load_or_measure(backbone, verbose=True)
+        policy.latency = latency or latency_curve(backbone, verbose=True)
         policy.draft_s = draft_seconds(drafter, backbone.hidden_size, backbone.device, backbone.dtype)
     policy.tree_for(SamplingParams())  # resolve now: a bad --tree fails before any request
     sched = registry.entry(name)

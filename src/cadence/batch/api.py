@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cadence.decode.engine import GenerationConfig, Stats
+from cadence.decode.generation import GenerationConfig, Stats
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
 

@@ -15,7 +15,7 @@ size for the same reason; vLLM's ``disable_by_batch_size``).
 
 The cap for B rows is the node count of the tree of highest expected batch tokens/s,
 ``B * tau(n) / (T(B, n) + B * draft_s * depth)``, over greedy growths of the acceptance
-table (``tree_policy.best_tree`` on the latency curve of batch B); the root alone
+table (``tree_choice.best_tree`` on the latency curve of batch B); the root alone
 (cap 1: no speculation) wins unless speculation is expected to be ``margin`` better.
 Example: T(8, 1) = 40 ms, T(8, 3) = 70 ms, tau(3) = 1.6 -> 1.6 / 70 < 1 / 40: cap 1.
 """
@@ -198,7 +198,7 @@ def measure(backbone, batches=BATCHES, sizes=SIZES, context: int = 128, rounds: 
     return BatchLatency(list(batches), list(sizes), grid, context, machine_key(backbone))
 
 
-def load_or_measure(backbone, remeasure: bool = False, verbose: bool = False, **kwargs) -> BatchLatency:
+def batch_latency(backbone, remeasure: bool = False, verbose: bool = False, **kwargs) -> BatchLatency:
     """The cached (batch, nodes) latency grid for this machine and backbone, measured once."""
     path = disk_cache.root() / "latency" / f"batch-{machine_key(backbone)}.json"
     if path.is_file() and not remeasure:

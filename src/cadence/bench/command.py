@@ -20,7 +20,7 @@ from cadence.bench.peers import PEERS
 from cadence.bench.runner import ENGINE_METHODS, BenchConfig, run_bench
 from cadence.bench.tasks import TASKS
 from cadence.cliargs import add_fields
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import MethodSpec, add_method_flags, option_fields
 

@@ -35,7 +35,7 @@ import torch
 from transformers import GenerationConfig as HFConfig
 
 from cadence.backbone.load import DEFAULT_MODEL, smollm2_gguf_path
-from cadence.decode.engine import Generation, GenerationConfig, Stats
+from cadence.decode.generation import Generation, GenerationConfig, Stats
 from cadence.errors import CadenceError
 
 PEERS = ("hf-generate", "hf-pld", "llama.cpp")

@@ -31,7 +31,7 @@ from cadence.backbone.load import load_backbone
 from cadence.bench import report
 from cadence.bench import tasks as T
 from cadence.bench.peers import PEERS, make_peer
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads.shipped import shipped_names
 from cadence.methods import Method, MethodSpec, make_engine

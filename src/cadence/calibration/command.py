@@ -29,7 +29,7 @@ from cadence.backbone.load import load_backbone
 from cadence.calibration.acceptance import rank_tables
 from cadence.calibration.entropy_profiles import measure_profiles, plot_frontiers
 from cadence.cliargs import add_fields, from_args
-from cadence.costs.latency import load_or_measure
+from cadence.costs.latency import latency_curve
 from cadence.costs.tree_choice import draft_seconds
 from cadence.draft.context_copy import CopyConfig
 from cadence.draft.head_drafter import HeadDrafter
@@ -175,7 +175,7 @@ def _profiles(cfg: CalibrateConfig, backbone, heads, copy) -> str:
     path = save_profiles(cfg.heads, profiles, {"data": str(cfg.data), "split": cfg.split,
                                                "tokens_per_profile": cfg.profile_tokens,
                                                "context_vocab": cfg.context_vocab})
-    latency = load_or_measure(backbone)
+    latency = latency_curve(backbone)
     draft_s = draft_seconds(HeadDrafter(heads, context_vocab=cfg.context_vocab), backbone.hidden_size,
                             backbone.device, backbone.dtype)
     for task, prof in profiles.items():

@@ -109,8 +109,8 @@ def cache_path(backbone) -> Path:
     return disk_cache.root() / "latency" / f"{machine_key(backbone)}.json"
 
 
-def load_or_measure(backbone, sizes=SIZES, rounds: int = 9, remeasure: bool = False,
-                    verbose: bool = False) -> LatencyCurve:
+def latency_curve(backbone, sizes=SIZES, rounds: int = 9, remeasure: bool = False,
+                  verbose: bool = False) -> LatencyCurve:
     """The cached curve for this machine and backbone, measuring it the first time."""
     path = cache_path(backbone)
     if path.is_file() and not remeasure:

@@ -207,7 +207,7 @@ class HeadDrafter:
     def draft_dynamic(self, spec: DynamicTree, root: int, hidden: torch.Tensor, context, limit: int,
                       copies: NgramIndex | None = None, state: DraftState | None = None,
                       sampling: SamplingParams | None = None) -> Draft:
-        """An EAGLE-2 dynamic tree (``dynamic_tree.draft_dynamic``; ``spec`` a ``DynamicTree``),
+        """An EAGLE-2 dynamic tree (``grow.draft_dynamic``; ``spec`` a ``DynamicTree``),
         at most ``limit`` levels deep: the tree is chosen while drafting, ``Draft.tree`` says
         which. At T > 0 its nodes are point-mass proposals (``Draft.q`` None)."""
         return draft_dynamic(self, spec, root, hidden, context, limit, copies, state, sampling)

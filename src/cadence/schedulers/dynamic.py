@@ -1,6 +1,6 @@
 """EAGLE-2's dynamic tree as a scheduler: every step that speculates, the drafter grows the
 tree from its own confidence and the verify-latency curve of this machine cuts it
-(``dynamic_tree``).
+(``draft.grow``).
 
 *Whether* a step speculates is the ``adaptive`` scheduler's call (on calibrated heads): it
 runs the root alone, with shadow drafts, while this request's drafts do not pay (a
@@ -13,7 +13,7 @@ speculate every step.
 Lossless: only which drafts are verified changes. At T > 0 a request runs what ``adaptive``
 (or ``--tree``) plans: trees of i.i.d. draws from q. With ``--dyn-sampled`` it grows the
 dynamic tree from the drafter's distribution under its sampling settings instead, every node
-verified as a point-mass proposal (``dynamic_tree``; exact too), which measured slower on
+verified as a point-mass proposal (``draft.grow``; exact too), which measured slower on
 the Zen 4 EPYC (2026-12-03, e9a3866, T = 0.7, 40 prompts: hydra 1.26x against 1.53x, eagle-taps
 1.40x against 1.53x): larger trees for a tau that rose less than their cost.
 """

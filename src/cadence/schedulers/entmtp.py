@@ -7,7 +7,7 @@ request), and hysteresis. Does not know how trees are drafted or verified: it on
 which tree is drafted, so it is lossless under every lossless rule.
 
 Per bin, the tree is the one of highest expected tokens/s under that bin's table
-(``tree_policy.best_tree``; the root alone when nothing pays). The estimate moves to a
+(``tree_choice.best_tree``; the root alone when nothing pays). The estimate moves to a
 new bin only when it is past the bin's edge by ``hysteresis`` (in nats), so noise inside
 a bin, or at its edge, does not flip the tree every step.
 

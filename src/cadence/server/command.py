@@ -17,7 +17,7 @@ import sys
 from cadence.backbone.load import add_model_args, load_backbone
 from cadence.batch.serial import SerialEngine
 from cadence.cliargs import add_fields, from_args
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import MethodSpec, add_method_flags, make_engine
 from cadence.server.config import Batching, NarrowFlags, ServeConfig

@@ -18,7 +18,8 @@ import re
 import secrets
 from collections import OrderedDict
 
-from cadence.decode.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import MethodSpec, resolve_scheduler_name, scheduler_context
 from cadence.verify.sampling import SamplingParams

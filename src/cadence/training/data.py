@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from cadence.backbone.load import load_backbone
 from cadence.batch.engine import BatchEngine
-from cadence.decode.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.prompts import held_out, item_hash, PromptItem
 from cadence.system.atomic import atomic_write, atomic_write_json

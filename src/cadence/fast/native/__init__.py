@@ -126,7 +126,7 @@ def build_state() -> dict:
 
 def build_id() -> str:
     """The loaded extension's build (its sources, torch, flags and CPU), '' when there is
-    none: what a latency curve measured through it holds for (``latency.machine_key``)."""
+    none: what a latency curve measured through it holds for (``machine.machine_key``)."""
     return _digest() if module() is not None else ""
 
 
