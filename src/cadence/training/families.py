@@ -153,7 +153,7 @@ def python_doc_passages() -> tuple[Passage, ...]:
     docstrings of standard-library modules (the interpreter running this)."""
     out: list[Passage] = []
     try:
-        from pydoc_data.topics import topics  # optional: some distributions strip it
+        from pydoc_data.topics import topics
     except ImportError:  # some distributions strip it
         topics = {}
     for name in sorted(topics):
