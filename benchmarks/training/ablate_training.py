@@ -5,7 +5,7 @@ by every cell, and per-setting data sets that link into it), the grid of cells, 
 cell (train with ``cadence.training.trainer``, held-out metrics from the trainer's own
 evaluation, a tree from ``cadence.calibration.command``, measured tau and speedup from
 ``cadence.bench``), recording each finished cell in ``OUT/results.json`` (a rerun skips it). The table and
-plots of ``docs/ablations.md`` are ``ablate_report.py``'s (run through ``report`` here).
+plots of ``docs/ablations.md`` are ``ablate_report.py``'s (it reads this script's results).
 Does not know: how heads, losses or decoding work (it only sets their options).
 
 Data (``prepare``): the self-distilled store's shards as they are when ``prepare`` runs
@@ -31,7 +31,7 @@ Usage::
 
     python benchmarks/training/ablate_training.py prepare          # pool + data sets + hidden cache
     python benchmarks/training/ablate_training.py grid --wrap "nice -n 10"   # each cell its own process
-    python benchmarks/training/ablate_training.py report           # docs/ablations.md + docs/ablations/*.png
+    python benchmarks/training/ablate_report.py                    # docs/ablations.md + docs/ablations/*.png
 """
 
 from __future__ import annotations
@@ -543,17 +543,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_ in (("prepare", "write the pool, the data sets and the hidden-state cache"),
                         ("grid", "run every cell not yet in OUT/results.json, each its own process"),
                         ("cell", "run one cell (what grid starts)"),
-                        ("remeasure", "calibrate and benchmark recorded cells again (their heads stay)"),
-                        ("report", "write the table and plots from OUT/results.json")):
+                        ("remeasure", "calibrate and benchmark recorded cells again (their heads stay)")):
         p = sub.add_parser(name, help=help_)
         add_fields(p, AblateConfig)
         if name == "cell":
             p.add_argument("name", help="cell name")
         if name == "remeasure":
             p.add_argument("names", nargs="+", help="recorded cell names")
-        if name == "report":
-            p.add_argument("--doc", default="docs/ablations.md", help="markdown file written")
-            p.add_argument("--plots", default="docs/ablations", help="directory of the PNG plots")
     args = ap.parse_args(argv)
     cfg = from_args(AblateConfig, args)
     try:
@@ -565,12 +561,8 @@ def main(argv: list[str] | None = None) -> int:
             run_grid(cfg)
         elif args.cmd == "cell":
             run_cell(_grid_config(cfg), args.name)
-        elif args.cmd == "remeasure":
-            remeasure(_grid_config(cfg), args.names)
         else:
-            from ablate_report import write_report
-
-            write_report(cfg, args.doc, args.plots)
+            remeasure(_grid_config(cfg), args.names)
     except CadenceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
