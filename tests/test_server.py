@@ -230,6 +230,8 @@ BAD = [  # (path, raw body, status, param)
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"depth": 3}}', 400, "cadence.depth"),
     ("c", '{"model": "tiny", "prompt": "hi", "temperature": 1, "cadence": {"rule": "greedy"}}', 400, "cadence.rule"),
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"scheduler": "confidence"}}', 400, "cadence.scheduler"),
+    ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"method": "vanilla"}}', 400, "cadence.method"),
+    ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"method": "hydra,nodes=3"}}', 400, "cadence.method"),
     ("m", '{"model": "tiny", "messages": []}', 400, "messages"),
     ("m", '{"model": "tiny", "messages": "hi"}', 400, "messages"),
     ("m", '{"model": "tiny", "messages": [{"role": "user", "content": ""}]}', 400, "messages"),
