@@ -137,6 +137,8 @@ def test_per_request_speculation_options(srv, engine):
     chain = ask({"tree": "chain-2", "rule": "greedy"})
     assert chain["cadence"]["mean_nodes"] > 1.0 and chain["choices"][0]["text"] == ref
     assert ask({})["cadence"]["tree"] == "chain+copy"  # the server's own tree
+    named = ask({"method": "hydra:root+static"})  # a method name, read as `cadence generate --method` reads it
+    assert named["cadence"]["mean_nodes"] == 1.0 and named["choices"][0]["text"] == ref
 
 
 def test_models_health_and_metrics(srv):
