@@ -67,6 +67,10 @@ def test_generate_json_random_heads_is_lossless(capsys, model_dir, loaded, metho
     assert rec["lossless"] is True and rec["mean_nodes"] > 1
     assert rec["new_tokens"] == 16 and rec["steps"] <= 16
     assert rec["text"] == expected_text(loaded, PROMPT, 16)
+    # acceptance per depth: the share of steps that accepted at least d drafts, non-increasing
+    acc = rec["acceptance_by_depth"]
+    assert acc == [round(n / rec["steps"], 4) for n in rec["accepted_at_depth"]]
+    assert all(0 <= b <= a <= 1 for a, b in zip(acc, acc[1:]))
 
 
 def test_generate_with_saved_heads_and_prompt_file(capsys, tmp_path, model_dir, loaded):

