@@ -30,16 +30,10 @@ PROMPTS = common.PROMPTS / "categories.jsonl"
 
 
 def parse_method(text: str) -> MethodSpec:
-    """A method name as ``cadence bench`` takes it ('hydra', 'hydra:auto-8', 'hydra+adaptive-k',
-    'hydra:auto+static/nocopy', 'hydra@runs/hydra/heads') -> its MethodSpec (no peers here)."""
-    from cadence.bench.runner import BenchConfig
-    from cadence.bench.runner import parse_method as bench_method
-    from cadence.errors import CadenceError
-
-    entry = bench_method(text, BenchConfig())
-    if entry.spec is None:
-        raise CadenceError(f"{text}: peers are not timed here; use cadence bench")
-    return entry.spec
+    """A method name as ``cadence generate --method`` and ``cadence bench`` take it ('hydra',
+    'hydra:auto-8', 'hydra+adaptive-k', 'hydra:auto+static/nocopy', 'hydra@runs/hydra/heads',
+    'eagle,max_nodes=16') -> its MethodSpec (``MethodSpec.parse``; no peers here)."""
+    return MethodSpec.parse(text)
 
 
 def main() -> None:
