@@ -26,7 +26,7 @@ from cadence.heads import load_heads, new_heads, save_heads
 from cadence.heads.eagle import EagleHeads
 from cadence.heads.eagle3 import Eagle3Heads
 from cadence.heads.mtp_attn import MTPAttnHeads
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import compile_tree, preset
 
 # eagle2: a drafter of two decoder layers; eagle-taps: one that also reads the backbone's layer 1;

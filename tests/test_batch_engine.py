@@ -25,7 +25,7 @@ from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.fast.model import FastBackbone
 from cadence.heads import new_heads
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.schedulers.dynamic import DynamicScheduler
 from cadence.trees.tree import compile_tree
 

@@ -16,7 +16,7 @@ from cadence.batch.narrow import NarrowConfig
 from cadence.batch.prefill import causal_mask
 from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 
 
 @pytest.fixture(scope="module")

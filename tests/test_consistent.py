@@ -325,7 +325,7 @@ def _speculation_matches_plain_decoding(bb, right_rank: int) -> None:
     """Plain decoding's tokens from a branching tree and from a chain, serial and batched."""
     from cadence.decode.engine import Engine
     from cadence.decode.generation import GenerationConfig
-    from cadence.schedulers import StaticScheduler
+    from cadence.schedulers.static import StaticScheduler
 
     cfg = GenerationConfig(max_new_tokens=40)
     prompts = [bb.encode_prompt(p, chat=True) for p in ("Write a poem about the sea. " * 5, "Count to ten")]

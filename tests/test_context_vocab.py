@@ -11,7 +11,7 @@ from cadence.decode.engine import Engine
 from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
 from cadence.verify.sampling import SamplingParams
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import chain, compile_tree
 
 

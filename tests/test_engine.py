@@ -12,7 +12,7 @@ from cadence.draft.head_drafter import HeadDrafter
 from cadence.decode.engine import Engine
 from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import compile_tree, preset_names
 
 K = 3

@@ -12,7 +12,7 @@ from cadence.decode.engine import Engine
 from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 
 
 def test_over_long_prompt(llama):

@@ -22,7 +22,7 @@ from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads.export import export_heads, import_eagle
 from cadence.heads import new_heads, save_heads
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import compile_tree, preset
 
 

@@ -17,7 +17,8 @@ from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
 from cadence.verify.sampling import SamplingParams, categorical, uniform
-from cadence.schedulers import Plan, StaticScheduler
+from cadence.schedulers.base import Plan
+from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import compile_tree, preset
 from cadence.verify.rules import Rule
 

@@ -9,7 +9,7 @@ from tiny import OracleDrafter
 from cadence.backbone.kv_cache import HFCache
 from cadence.decode.engine import Engine
 from cadence.decode.generation import GenerationConfig
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import compile_tree
 
 

@@ -17,7 +17,7 @@ from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
 from cadence.verify.sampling import SamplingParams, probs
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import compile_tree
 from cadence.verify.rules import RULES, Rule, VerifyContext, greedy, relaxed
 

@@ -23,7 +23,7 @@ from cadence.decode.engine import Engine
 from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
 from cadence.verify.sampling import SamplingParams, probs
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import compile_tree
 
 V = 8

@@ -40,7 +40,7 @@ from cadence.decode.engine import Engine
 from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import make_engine
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.server.app import AppSettings, create_app
 from cadence.server.config import ServeConfig
 

@@ -15,7 +15,8 @@ from cadence.errors import CadenceError
 from cadence.heads import new_heads, save_heads
 from cadence.heads.small import CLP, ConfidenceHead, load_small, save_small
 from cadence.methods import Method, MethodSpec, make_engine
-from cadence.schedulers import StaticScheduler, registry
+from cadence.schedulers import registry
+from cadence.schedulers.static import StaticScheduler
 from cadence.schedulers.base import Plan
 from cadence.schedulers.clp import ClpScheduler
 from cadence.schedulers.confidence import ConfidenceScheduler

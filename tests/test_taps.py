@@ -277,7 +277,7 @@ def test_batched_rows_draft_from_the_same_taps_as_the_serial_engine(temperature,
     from cadence.decode.generation import GenerationConfig
     from cadence.fast.model import FastBackbone
     from cadence.heads import new_heads
-    from cadence.schedulers import StaticScheduler
+    from cadence.schedulers.static import StaticScheduler
 
     bb = FastBackbone.from_backbone(tiny_backbone("llama", layers=3))
     heads = new_heads(kind, bb, 3, random=True, seed=4, taps=[1, 2])

@@ -225,7 +225,7 @@ def sampling_section(device: torch.device, plan: Plan) -> dict:
     from cadence.decode.engine import Engine
     from cadence.decode.generation import GenerationConfig
     from cadence.heads import new_heads
-    from cadence.schedulers import StaticScheduler
+    from cadence.schedulers.static import StaticScheduler
     from cadence.trees.tree import compile_tree
 
     small = {arch: on_device(tiny_backbone(arch, vocab=V, tokenizer=False, seed=1), device) for arch in ("llama", "qwen2")}
@@ -400,7 +400,7 @@ def host_times(bb, plan: Plan, entry: dict) -> dict:
     from cadence.decode.engine import Engine
     from cadence.decode.generation import GenerationConfig
     from cadence.heads import new_heads
-    from cadence.schedulers import StaticScheduler
+    from cadence.schedulers.static import StaticScheduler
 
     dev, n = bb.device, plan.decode_tokens
     bare = bare_decode(bb, n)
