@@ -218,7 +218,7 @@ def test_drafting_equals_teacher_forcing_after_uneven_commits(backbones, kind):
         done = t + 1
         with torch.inference_mode():
             h = hidden[t, :bb.hidden_size]
-            ctx = drafter._begin(state, h, ids[0, :t + 1].tolist(), int(ids[0, t + 1]))
+            ctx = drafter.begin(state, h, ids[0, :t + 1].tolist(), int(ids[0, t + 1]))
             prev = heads.init_state(h[None])
             for k in range(1, 4):
                 s = heads.tree_step(k, prev, ids[0, t + k:t + k + 1], ctx, [k - 1], [k - 2])

