@@ -289,7 +289,7 @@ class PipoRun:
         self.step += 1
         self.seconds += dt
         self.tokens += sum(len(t) - lp for t, lp, _ in seqs)
-        return {**metrics, "loss": float(loss), "lr": self.sched.get_last_lr()[0], "rollout_s": round(t1 - t0, 2),
+        return {**metrics, "loss": float(loss.detach()), "lr": self.sched.get_last_lr()[0], "rollout_s": round(t1 - t0, 2),
                 "step_s": round(dt, 2)}
 
     def loop(self) -> dict:
