@@ -193,7 +193,9 @@ def plot(result: dict, path: Path) -> None:
             if lab == "plain":
                 continue
             ck, mode = lab.split(":", 1)
-            y = o[ykey] if ykey != "nll" else result["nll"].get(f"{ck}:{mode.split('@')[0].replace('-verify', '')}", {}).get("nll")
+            # verify reads the reply as plain positions: its NLL is the prompt mode's
+            reader = "prompt" if mode.endswith("verify") else mode.split("@")[0]
+            y = o[ykey] if ykey != "nll" else result["nll"].get(f"{ck}:{reader}", {}).get("nll")
             if y is None:
                 continue
             series.setdefault(mode, []).append((o["speedup_tok_s"], y, steps.get(ck, ck)))
