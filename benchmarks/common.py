@@ -2,7 +2,7 @@
 
 Knows: the repository's layout (``benchmarks/<group>/<script>.py``, ``benchmarks/prompts/``,
 the ignored ``runs/`` where results go by default), how to make a sibling group's script
-importable (``use``), the description of the machine a figure comes from (``cadence.machine``
+importable (``use``), the description of the machine a figure comes from (``cadence.system.machine``
 plus the CPU flags that pick kernels and precision), loading the backbone, and writing a
 result as JSON with its date, commit and CPU in it.
 Does not know: what any script measures, nor how to time anything.
@@ -47,30 +47,30 @@ def out_path(given: str | Path | None, default_name: str) -> Path:
 
 def cpu_slug(cpu: str | None = None) -> str:
     """The CPU's model string as a file-name part: 'intel-r-xeon-r-platinum-8488c'."""
-    from cadence.machine import cpu_model
+    from cadence.system.machine import cpu_model
 
     return re.sub(r"[^a-z0-9]+", "-", (cpu or cpu_model()).lower()).strip("-") or "cpu"
 
 
 def machine() -> dict:
-    """``cadence.machine.machine_info()`` (CPU model, cores, RAM, torch / transformers versions,
+    """``cadence.system.machine.machine_info()`` (CPU model, cores, RAM, torch / transformers versions,
     commit, instruction-set limits) plus the CPU flags that decide kernels (``cpu_features``)."""
-    from cadence.fast.cpu import describe
-    from cadence.machine import machine_info
+    from cadence.system.machine import describe
+    from cadence.system.machine import machine_info
 
     return {**machine_info(), "cpu_features": describe()}
 
 
 def machine_line(info: dict | None = None) -> str:
     """One line for a report's header."""
-    from cadence.machine import machine_line as line
+    from cadence.system.machine import machine_line as line
 
     return line(info or machine())
 
 
 def backbone(model: str = "smollm2", dtype=None, backend: str = "auto", quant: str = "none"):
-    """The frozen backbone, as ``cadence.backbone.load_backbone`` loads it."""
-    from cadence.backbone import load_backbone
+    """The frozen backbone, as ``cadence.backbone.load.load_backbone`` loads it."""
+    from cadence.backbone.load import load_backbone
 
     return load_backbone(model, dtype, backend=backend, quant=quant)
 

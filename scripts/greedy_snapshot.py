@@ -16,14 +16,14 @@ import json
 import sys
 from pathlib import Path
 
-from cadence.backbone import load_backbone
-from cadence.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.backbone.load import load_backbone
+from cadence.decode.generation import GenerationConfig
+from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "categories.jsonl"
-SPECS = {"vanilla": MethodSpec(method=Method.VANILLA), "hydra": MethodSpec(method=Method.HYDRA),
-         "medusa": MethodSpec(method=Method.MEDUSA), "mtp": MethodSpec(method=Method.MTP),
-         "eagle": MethodSpec(method=Method.EAGLE), "eagle-taps": MethodSpec(method=Method.EAGLE, heads="eagle-taps")}
+SPECS = {name: MethodSpec.parse(text) for name, text in (
+    ("vanilla", "vanilla"), ("hydra", "hydra"), ("medusa", "medusa"), ("mtp", "mtp"), ("eagle", "eagle"),
+    ("eagle-taps", "eagle@eagle-taps"))}
 
 
 def snapshot(max_new_tokens: int) -> dict:

@@ -8,7 +8,7 @@ heads directory with ``intermediate_size`` = width; continue it with
 
 import argparse
 
-from cadence.backbone import load_backbone
+from cadence.backbone.load import load_backbone
 from cadence.heads import load_heads, save_heads
 from cadence.heads.attn_block import Block, narrow_mlp
 

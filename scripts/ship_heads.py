@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cadence.backbone import load_backbone
+from cadence.backbone.load import load_backbone
 from cadence.heads import load_heads, save_heads
 
 

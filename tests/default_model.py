@@ -23,7 +23,7 @@ def default_model_missing() -> str | None:
         import gguf  # noqa: F401 - converts the shipped GGUF on first use
     except ImportError as exc:
         return f"gguf is not importable ({exc})"
-    from cadence.backbone import smollm2_gguf_path
+    from cadence.backbone.load import smollm2_gguf_path
     from cadence.errors import CadenceError
     try:
         smollm2_gguf_path()
@@ -40,5 +40,5 @@ def load_default_backbone():
         if in_ci():
             pytest.fail(f"{msg} (CI=true: the slow tests must run in CI)", pytrace=False)
         pytest.skip(msg)
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
     return load_backbone("smollm2", "float32", "cpu")

@@ -13,7 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cadence.batch.serial import SerialEngine
-from cadence.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.server.app import AppSettings, create_app
 from cadence.server.runner import listen, make_server

@@ -2,10 +2,10 @@
 
 import pytest
 
-from cadence.latency import LatencyCurve
+from cadence.costs.latency import LatencyCurve
 from cadence.schedulers.adaptive import AdaptiveScheduler, frontier
 from cadence.schedulers.base import StepInfo
-from cadence.schedulers.step_costs import StepCosts
+from cadence.costs.step_costs import StepCosts
 
 # Verification nearly free, acceptance high: the calibrated favourite is a big tree.
 TABLE = [[0.8, 0.1], [0.8, 0.1], [0.8, 0.1]]
@@ -136,6 +136,7 @@ def test_entmtp_adaptive_refuses_bad_settings_clearly():
 
     bb = tiny_backbone("llama")
     with pytest.raises(CadenceError, match="--ent-window must be >= 1"):
-        make_engine(bb, MethodSpec(method=Method.HYDRA, heads="random", scheduler="entmtp-adaptive", ent_window=0))
+        make_engine(bb, MethodSpec(method=Method.HYDRA, heads="random", scheduler="entmtp-adaptive",
+                                       options={"ent_window": 0}))
     with pytest.raises(CadenceError, match="no 'general' acceptance profile"):
         make_engine(bb, MethodSpec(method=Method.HYDRA, heads="random", scheduler="entmtp-adaptive"))

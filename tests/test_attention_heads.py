@@ -15,17 +15,19 @@ from test_sampling_lossless import N_NEW, PROMPT, V, exact_joint, gof, sample_jo
 from test_training_support import base_config, make_data, tiny_model_dir
 from tiny import tiny_backbone
 
-from cadence.backbone import load_backbone
-from cadence.context_copy import CopyConfig
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig, drafter_states
+from cadence.backbone.load import load_backbone
+from cadence.draft.context_copy import CopyConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
+from cadence.decode.request import drafter_states
 from cadence.errors import CadenceError
 from cadence.heads import load_heads, new_heads, save_heads
 from cadence.heads.eagle import EagleHeads
 from cadence.heads.eagle3 import Eagle3Heads
 from cadence.heads.mtp_attn import MTPAttnHeads
-from cadence.schedulers import StaticScheduler
-from cadence.trees import compile_tree, preset
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import compile_tree, preset
 
 # eagle2: a drafter of two decoder layers; eagle-taps: one that also reads the backbone's layer 1;
 # eagle3: the EAGLE-3 drafter (fused taps, its own LM head; here over the whole vocabulary)
@@ -216,7 +218,7 @@ def test_drafting_equals_teacher_forcing_after_uneven_commits(backbones, kind):
         done = t + 1
         with torch.inference_mode():
             h = hidden[t, :bb.hidden_size]
-            ctx = drafter._begin(state, h, ids[0, :t + 1].tolist(), int(ids[0, t + 1]))
+            ctx = drafter.begin(state, h, ids[0, :t + 1].tolist(), int(ids[0, t + 1]))
             prev = heads.init_state(h[None])
             for k in range(1, 4):
                 s = heads.tree_step(k, prev, ids[0, t + k:t + k + 1], ctx, [k - 1], [k - 2])

@@ -15,17 +15,19 @@ from tiny import BackboneDrafter, OracleDrafter, tiny_backbone
 
 from cadence.batch.engine import BatchEngine
 from cadence.batch.layout import pack
-from cadence.batch.narrow import MAX_NODES, BatchLatency, CappedScheduler, NarrowConfig, Narrowing, prune
-from cadence.context_copy import CopyConfig
-from cadence.dynamic_tree import DynamicTree
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.trees.budget import MAX_NODES
+from cadence.batch.narrow import BatchLatency, CappedScheduler, NarrowConfig, Narrowing, prune
+from cadence.draft.context_copy import CopyConfig
+from cadence.draft.grow import DynamicTree
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.fast.model import FastBackbone
 from cadence.heads import new_heads
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.schedulers.dynamic import DynamicScheduler
-from cadence.trees import compile_tree
+from cadence.trees.tree import compile_tree
 
 K = 3
 PROMPTS = ["Write a poem about the sea.", "x", "The quick brown fox jumps over the lazy dog, twice over.",

@@ -119,7 +119,7 @@ def test_bench_cli_with_model_dir_and_compare(tiny, tmp_path, custom, capsys):
 def test_llama_cpp_peer_with_a_fake_module(tiny, tmp_path, monkeypatch):
     """The llama.cpp adapter's control flow (the real package is optional and not built here)."""
     from cadence.bench.peers import make_peer
-    from cadence.engine import GenerationConfig
+    from cadence.decode.generation import GenerationConfig
 
     class FakeLlama:
         def __init__(self, model_path, n_threads, n_ctx, verbose):
@@ -232,3 +232,32 @@ def test_method_names_take_a_shipped_set_by_name():
     assert (entry.spec.heads, entry.spec.copy, entry.label) == ("eagle-taps", False, "eagle@eagle-taps/nocopy")
     with pytest.raises(CadenceError, match="nor a shipped set"):
         parse_method("eagle@eagle-taps9", BenchConfig())
+
+
+def test_bench_offers_every_decoding_flag_of_generate():
+    """`cadence bench` derives its decoding flags from the dataclasses `generate` uses (the
+    loader's flags, MethodSpec, every scheduler's options, GenerationConfig): each flag of
+    `cadence generate --help` but the prompt and output ones is in `cadence bench --help`."""
+    import argparse
+
+    from cadence.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    flags = {name: {s for a in p._actions for s in a.option_strings} for name, p in sub.items()}
+    own = {"--prompt", "--prompt-file", "--chat", "--no-chat", "--json", "--compare", "-h", "--help"}
+    own |= {f for f in flags["generate"] if f.startswith("--pipo")}  # PIPO's own decoder (docs/pipo.md), not bench's
+    assert flags["generate"] - own - flags["bench"] == set()
+    assert {"--backend", "--max-nodes", "--rule", "--drift", "--dyn-topk"} <= flags["bench"]
+
+
+def test_bench_method_names_are_method_specs(tmp_path):
+    """A bench method name is read by MethodSpec.parse over the run's flags."""
+    from cadence.bench.runner import BenchConfig, parse_method
+    from cadence.methods import MethodSpec
+
+    cfg = BenchConfig(heads="random", settings={"max_nodes": 8, "copy_depth": 4}, out=str(tmp_path))
+    e = parse_method("eagle+dynamic,dyn_topk=2", cfg)
+    assert e.spec == MethodSpec.parse("eagle+dynamic@random,max_nodes=8,copy_depth=4,dyn_topk=2")
+    assert e.spec.scheduler_options("dynamic").max_nodes == 8
+    with pytest.raises(CadenceError, match="unknown method setting"):
+        parse_method("hydra,nodes=3", cfg)

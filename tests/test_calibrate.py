@@ -4,18 +4,19 @@ import json
 
 import pytest
 
-from cadence.calibrate import CalibrateConfig, calibrate, rank_table
-from cadence.engine import GenerationConfig
+from cadence.calibration.acceptance import rank_table
+from cadence.calibration.command import CalibrateConfig, calibrate
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import load_heads, new_heads, save_heads
-from cadence.latency import LatencyCurve
-from cadence.tree_policy import best_tree
+from cadence.costs.latency import LatencyCurve
+from cadence.costs.tree_choice import best_tree
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.training.trainer import train
 from test_training_support import base_config, make_data, tiny_model_dir
 
 
 def _setup(tmp_path):
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
 
     model = tiny_model_dir(tmp_path)
     data = make_data(tmp_path / "data", n_train=40, n_val=8)
@@ -50,7 +51,8 @@ def test_calibrate_stores_a_tree_that_auto_uses(tmp_path):
     assert all(v == 0 for row in rep["copy_acceptance"][2:] for v in row[1:])  # past K: the copy only
     conf = json.loads((hdir / "draft_config.json").read_text())  # the policy, apart from the weights
     assert not {"tree", "acceptance", "copy_tree", "copy_acceptance"} & set(json.loads((hdir / "config.json").read_text()))
-    from cadence.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     ids = bb.encode_prompt("abc", chat=True)
     cfg = GenerationConfig(max_new_tokens=20)
     ref = Engine(bb).generate(ids, cfg).tokens
@@ -99,7 +101,7 @@ def test_draft_config_rules_over_legacy_fields_and_a_bad_one_is_refused(tmp_path
 
 def test_auto_n_trees_grow_from_the_stored_acceptance(tmp_path):
     from cadence.errors import CadenceError
-    from cadence.trees import grow_tree
+    from cadence.trees.tree import grow_tree
 
     bb, model, data = _setup(tmp_path)
     hdir = save_heads(new_heads("hydra", bb, 2, random=True), tmp_path / "heads")

@@ -14,9 +14,9 @@ from cadence.batch import prefill as prefill_mod
 from cadence.batch.engine import BatchEngine
 from cadence.batch.narrow import NarrowConfig
 from cadence.batch.prefill import causal_mask
-from cadence.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_a_prompt_in_chunks_fills_the_cache_as_one_forward_does(bb, chunk):
     ids = prompt(37, 1)
     cache = bb.new_batch_cache(2, capacity=8)
     whole = bb.forward_rows(torch.tensor([ids]), cache, 0, [0], need_logits=False)
-    from cadence.engine import Engine
+    from cadence.decode.engine import Engine
     req = Engine(bb).start(ids, GenerationConfig(max_new_tokens=4))
     req.cache = cache.row(1)
     p = prefill_mod.Prefill(req, 1)

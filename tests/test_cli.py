@@ -5,9 +5,10 @@ import json
 import pytest
 from tiny import save_tiny
 
-from cadence.backbone import load_backbone
+from cadence.backbone.load import load_backbone
 from cadence.cli import main
-from cadence.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads, save_heads
 
 PROMPT = "Write a poem about the sea."
@@ -177,12 +178,13 @@ def test_error_heads_for_another_backbone(capsys, model_dir, tmp_path):
 def test_heads_by_shipped_name(capsys, model_dir, loaded, tmp_path, monkeypatch):
     """--heads NAME loads a set shipped for the backbone (assets/heads/<model>/NAME); a directory
     of that name in the working directory wins; another kind's set is refused."""
+    import cadence.heads.shipped as S
     import cadence.methods as M
     save_heads(new_heads("hydra", loaded, 2), tmp_path / "assets" / "tiny" / "hydra-wide")
-    monkeypatch.setattr(M, "SHIPPED_HEADS", tmp_path / "assets")
-    monkeypatch.setitem(M.SHIPPED_FOR, "tiny-model", "tiny")
+    monkeypatch.setattr(S, "SHIPPED_HEADS", tmp_path / "assets")
+    monkeypatch.setitem(S.SHIPPED_FOR, "tiny-model", "tiny")
     heads = M.resolve_heads(loaded, M.MethodSpec(method=M.Method.HYDRA, heads="hydra-wide"))
-    assert heads.cfg.kind == "hydra" and M.shipped_names() == ["hydra-wide"]
+    assert heads.cfg.kind == "hydra" and S.shipped_names() == ["hydra-wide"]
     rc, out, err = run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "hydra", "--heads", "hydra-wide",
                        "--max-new-tokens", "4")
     assert rc == 0, err
@@ -209,10 +211,10 @@ def test_mtp_attn_ships_no_heads_but_trained_ones_run(capsys, model_dir, loaded,
     """No mtp-attn set ships for SmolLM2 (the tiny model stands in for it here): --method
     mtp-attn without --heads is one error line saying how to train a set; heads passed by
     --heads run."""
-    import cadence.methods as M
+    import cadence.heads.shipped as S
 
-    monkeypatch.setitem(M.SHIPPED_FOR, loaded.name, "smollm2")
-    assert (M.SHIPPED_HEADS / "smollm2" / "eagle" / "config.json").is_file()  # the real folder
+    monkeypatch.setitem(S.SHIPPED_FOR, loaded.name, "smollm2")
+    assert (S.SHIPPED_HEADS / "smollm2" / "eagle" / "config.json").is_file()  # the real folder
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--method", "mtp-attn"),
                   "no mtp-attn heads are shipped for tiny-model: train a set with `cadence train --kind mtp-attn")
     save_heads(new_heads("mtp-attn", loaded, 2, random=True), tmp_path / "h")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.fast import consistent, native
-from cadence.fast.cpu import onednn_available
+from cadence.system.machine import onednn_available
 from cadence.fast.kernels import Linear
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="oneDNN kernels only")
@@ -89,8 +89,8 @@ def test_attend_pads_queries_and_returns_only_the_real_rows():
 def test_bf16_tree_and_one_token_forwards_agree_on_the_root(kernel):
     from cadence.fast.kernels import ROW_FREE, amx_available
     from cadence.fast.model import FastBackbone
-    from cadence.scorer import score
-    from cadence.trees import compile_tree, grow_tree, prior_acceptance
+    from cadence.verify.scorer import score
+    from cadence.trees.tree import compile_tree, grow_tree, prior_acceptance
     from tiny import tiny_backbone
 
     if kernel == "amx" and not amx_available():
@@ -148,7 +148,7 @@ def _ancestors(tree) -> list[list[int]]:
 
 
 def test_tree_paths_attend_every_node_once_at_its_depths_slot():
-    from cadence.trees import compile_tree, grow_tree, prior_acceptance
+    from cadence.trees.tree import compile_tree, grow_tree, prior_acceptance
 
     assert consistent.tree_paths([[0], [0, 1], [0, 2], [0, 1, 3]]) == [([0, 2], [0, 2]), ([0, 1, 3], [1, 3])]
     tree = compile_tree(grow_tree(prior_acceptance(4, ranks=4), 15), name="t16")
@@ -162,7 +162,7 @@ def test_tree_paths_attend_every_node_once_at_its_depths_slot():
 
 
 def test_only_chains_are_laid_out_as_plain_decoding():
-    from cadence.trees import compile_tree
+    from cadence.trees.tree import compile_tree
 
     assert consistent.is_laid_out(_ancestors(compile_tree([(0,), (0, 0), (0, 0, 0)], name="c")))
     assert consistent.is_laid_out([[0]])
@@ -171,7 +171,7 @@ def test_only_chains_are_laid_out_as_plain_decoding():
 
 def test_path_attention_equals_masked_tree_attention_and_restores_node_order():
     """Any CPU, fp32: same values (to rounding) as one masked call over the tree's own slots."""
-    from cadence.trees import compile_tree, grow_tree, prior_acceptance
+    from cadence.trees.tree import compile_tree, grow_tree, prior_acceptance
 
     torch.manual_seed(0)
     tree = compile_tree(grow_tree(prior_acceptance(4, ranks=3), 8), name="t9")
@@ -197,8 +197,8 @@ def test_bf16_branching_tree_nodes_get_plain_decodings_bits(listed, monkeypatch)
     differed in 19 of 140 branch nodes, by up to 0.59 (``benchmarks/kernels/consistency.py --tree``)."""
     monkeypatch.setenv("CADENCE_LISTED", listed)
     from cadence.fast.model import FastBackbone
-    from cadence.scorer import score
-    from cadence.trees import compile_tree, grow_tree, prior_acceptance
+    from cadence.verify.scorer import score
+    from cadence.trees.tree import compile_tree, grow_tree, prior_acceptance
     from tiny import tiny_backbone
 
     plain = tiny_backbone("llama", hidden=768, layers=4)
@@ -234,7 +234,7 @@ def test_bf16_path_attention_gives_each_node_the_bits_of_its_chain_layout():
     """Each node's attention equals that of the node alone with its path in the slots right
     after the context (plain decoding's layout). Attending in the tree's own layout
     (ancestors at scattered slots, gaps masked) gave 7 of these 3,600 rows other bits."""
-    from cadence.trees import compile_tree, grow_tree, prior_acceptance
+    from cadence.trees.tree import compile_tree, grow_tree, prior_acceptance
 
     tree = compile_tree(grow_tree(prior_acceptance(4, ranks=4), 8), name="t9")
     anc, n, cap, bf = _ancestors(tree), tree.size, 1024, torch.bfloat16
@@ -263,8 +263,8 @@ def test_bf16_batched_rows_get_the_bits_of_each_request_alone():
     real node the logits of its request's own tree forward (itself equal to plain decoding)."""
     from cadence.batch.layout import pack
     from cadence.fast.model import FastBackbone
-    from cadence.scorer import score
-    from cadence.trees import compile_tree, grow_tree, prior_acceptance
+    from cadence.verify.scorer import score
+    from cadence.trees.tree import compile_tree, grow_tree, prior_acceptance
     from tiny import tiny_backbone
 
     plain = tiny_backbone("llama", hidden=768, layers=4)
@@ -323,8 +323,9 @@ def test_bf16_speculation_over_weight_only_quantized_projections_is_byte_identic
 
 def _speculation_matches_plain_decoding(bb, right_rank: int) -> None:
     """Plain decoding's tokens from a branching tree and from a chain, serial and batched."""
-    from cadence.engine import Engine, GenerationConfig
-    from cadence.schedulers import StaticScheduler
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
+    from cadence.schedulers.static import StaticScheduler
 
     cfg = GenerationConfig(max_new_tokens=40)
     prompts = [bb.encode_prompt(p, chat=True) for p in ("Write a poem about the sea. " * 5, "Count to ten")]
@@ -340,7 +341,7 @@ def _each_prompt(bb, prompts, refs, tree, right_rank, cfg) -> None:
 
     from cadence.batch.engine import BatchEngine
     from cadence.batch.narrow import NarrowConfig
-    from cadence.engine import Engine
+    from cadence.decode.engine import Engine
 
     for ids, ref in zip(prompts, refs):
         drafter = OracleDrafter(ref, len(ids), 3, bb.vocab_size, right_rank=1 if right_rank is None else right_rank)

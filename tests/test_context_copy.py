@@ -6,12 +6,12 @@ import pytest
 import torch
 from test_engine import K, N, bb, reference, spec_engine  # noqa: F401 (bb: fixture)
 
-from cadence.context_copy import CopyConfig, NgramIndex, merge_candidates
-from cadence.drafter import HeadDrafter
-from cadence.engine import GenerationConfig
+from cadence.draft.context_copy import CopyConfig, NgramIndex, merge_candidates
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
-from cadence.sampling import SamplingParams
-from cadence.trees import compile_tree, preset
+from cadence.verify.sampling import SamplingParams
+from cadence.trees.tree import compile_tree, preset
 
 
 def test_index_worked_example():

@@ -1,17 +1,18 @@
 """The context vocabulary: heads with a draft vocabulary also draft the request's own
-tokens outside it (``cadence.context_vocab``, ``HeadDrafter(context_vocab=N)``)."""
+tokens outside it (``cadence.draft.context_vocab``, ``HeadDrafter(context_vocab=N)``)."""
 
 import pytest
 import torch
 from tiny import tiny_backbone
 
-from cadence.context_vocab import ContextVocab, ContextVocabs
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.context_vocab import ContextVocab, ContextVocabs
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
-from cadence.sampling import SamplingParams
-from cadence.schedulers import StaticScheduler
-from cadence.trees import chain, compile_tree
+from cadence.verify.sampling import SamplingParams
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import chain, compile_tree
 
 
 def test_tracker_keeps_the_most_recent_outside_tokens():
@@ -80,8 +81,8 @@ class OracleChainDrafter(HeadDrafter):
         self._next, self._depth = self.ref[len(context) - self.plen + 1:], 0
         return super().draft(tree, root, hidden, context, *args, **kwargs)
 
-    def _logits(self, feats, extra):
-        logits, ids = super()._logits(feats, extra)
+    def logits(self, feats, extra):
+        logits, ids = super().logits(feats, extra)
         if self._depth < len(self._next):
             hit = (ids == self._next[self._depth]).nonzero()
             if hit.numel():
@@ -112,7 +113,7 @@ def test_oov_tokens_are_accepted_only_with_the_context_vocabulary():
 
 
 def test_calibration_scores_a_context_token_from_the_position_after_it_appears():
-    from cadence.calibrate import _context_logits
+    from cadence.calibration.acceptance import _context_logits
 
     bb = tiny_backbone("llama")
     heads = _heads(bb, list(range(10)))
@@ -132,9 +133,9 @@ def test_entropy_profiles_rank_context_tokens_when_asked(tmp_path):
     """EntMTP's profiles measure what the drafter drafts: with the context vocabulary their
     pooled table is ``rank_tables``' with it, and it accepts more than without it when the
     draft vocabulary itself never wins."""
-    from cadence.backbone import load_backbone
-    from cadence.calibrate import rank_tables
-    from cadence.profiles import measure_profiles
+    from cadence.backbone.load import load_backbone
+    from cadence.calibration.acceptance import rank_tables
+    from cadence.calibration.entropy_profiles import measure_profiles
     from test_training_support import make_data, tiny_model_dir
 
     def recurring(rng, plen, rlen):  # replies cycle through their prompt's tokens, all outside 0..9

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadence.copy_drafter import CopyDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.copy_drafter import CopyDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import Method, MethodSpec, make_engine
-from cadence.sampling import SamplingParams
-from cadence.trees import chain, compile_tree
+from cadence.verify.sampling import SamplingParams
+from cadence.trees.tree import chain, compile_tree
 
 
 def test_copies_fill_the_chain_as_far_as_they_exist():

@@ -3,7 +3,7 @@
 import pytest
 from tiny import byte_tokenizer
 
-from cadence.detok import Detokenizer, _held_back
+from cadence.decode.detok import Detokenizer, _held_back
 
 TEXT = "Tea 🍵 and 日本語 text, ok. 👍🏽 done"
 

@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic tree (``dynamic_tree``, ``--scheduler dynamic``): the worked examples,
+"""EAGLE-2's dynamic tree (``draft.grow``, ``--scheduler dynamic``): the worked examples,
 lossless greedy decoding with random and oracle heads of every kind (with and without
 context copy), the latency-cut size, and point-mass trees at T > 0 (``--dyn-sampled``)."""
 
@@ -9,16 +9,17 @@ import torch
 from test_attention_heads import PROMPTS, make, oracle_heads, reference
 from tiny import tiny_backbone
 
-from cadence.context_copy import CopyConfig
-from cadence.drafter import HeadDrafter
-from cadence.dynamic_tree import DynamicTree, _Cand, best_size, draft_dynamic, select, to_draft
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.context_copy import CopyConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.draft.grow import DynamicTree, _Cand, best_size, draft_dynamic, select, to_draft
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.schedulers.dynamic import DynamicScheduler
 from cadence.schedulers.static import StaticScheduler
-from cadence.trees import chain, compile_tree
+from cadence.trees.tree import chain, compile_tree
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_latency_cuts_the_tree(backbones):
 def test_sampling_grows_dynamic_trees_of_point_masses(backbones):
     """At T > 0 the tree is grown from the drafter's tempered distribution and drafted for
     point-mass verification (no q); lossless: tests/test_sampling_lossless.py."""
-    from cadence.sampling import SamplingParams
+    from cadence.verify.sampling import SamplingParams
 
     bb = backbones["llama"]
     heads = new_heads("hydra", bb, 3, random=True, seed=1)
@@ -144,34 +145,39 @@ def test_sampling_grows_dynamic_trees_of_point_masses(backbones):
 
 def test_method_spec_builds_it_and_checks_settings(backbones):
     bb = backbones["llama"]
-    spec = MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", dyn_nodes=6)
+    spec = MethodSpec.parse("eagle+dynamic@random,max_nodes=6")
+    assert spec == MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", options={"max_nodes": 6})
+    assert MethodSpec.parse(spec.format()) == spec
     eng = make_engine(bb, spec)
     out = eng.generate(PROMPTS[1], GenerationConfig(max_new_tokens=24))
     assert out.tokens == reference(bb, PROMPTS[1], 24)
     assert all(s.nodes <= 7 for s in out.stats.step_log)
-    for bad in (dict(dyn_topk=0), dict(dyn_nodes=0), dict(copy_conf=0.0), dict(copy_conf=1.5), dict(copy_run_conf=-1.0)):
+    for bad in (dict(dyn_topk=0), dict(max_nodes=0), dict(max_nodes=128), dict(copy_conf=0.0), dict(copy_conf=1.5),
+                dict(copy_run_conf=-1.0)):
         with pytest.raises(CadenceError):
-            make_engine(bb, MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", **bad))
+            make_engine(bb, MethodSpec(method=Method.EAGLE, heads="random", scheduler="dynamic", options=bad))
 
 
 def gated_factory(bb, heads, latency, **spec):
     """The ``dynamic`` scheduler's factory for calibrated heads (a made-up table and curve)."""
-    from cadence.heads.policy import DraftPolicy
-    from cadence.schedulers.registry import SchedulerContext, entry
-    from cadence.tree_policy import TreePolicy
+    from cadence.heads.tables import DraftPolicy
+    from cadence.methods import scheduler_context
+    from cadence.schedulers.registry import entry
+    from cadence.costs.tree_choice import TreePolicy
 
     heads.policy = DraftPolicy(acceptance=[[0.8, 0.1]] * 3, copy_acceptance=[[0.8, 0.1]] * 6)
     drafter = HeadDrafter(heads, CopyConfig(), copy_depth=6)
     policy = TreePolicy("auto", heads, drafter, latency=latency, draft_s=0.0001)
-    ctx = SchedulerContext(bb, heads, drafter, policy, MethodSpec(method=Method.EAGLE, scheduler="dynamic", **spec))
+    ctx = scheduler_context(bb, heads, drafter, policy, MethodSpec(method=Method.EAGLE, scheduler="dynamic", options=spec),
+                            "dynamic")
     return drafter, entry("dynamic").build(ctx)
 
 
 def test_calibrated_heads_gate_speculation_through_adaptive(backbones):
     """Random heads miss every draft: the adaptive gate soon runs the root alone (with shadow
     drafts), and every step that speculates drafts a dynamic tree. Output unchanged."""
-    from cadence.latency import LatencyCurve
-    from cadence.sampling import SamplingParams
+    from cadence.costs.latency import LatencyCurve
+    from cadence.verify.sampling import SamplingParams
     from cadence.schedulers.adaptive import AdaptiveScheduler
     from cadence.schedulers.dynamic import GatedDynamic
 
@@ -192,7 +198,7 @@ def test_calibrated_heads_gate_speculation_through_adaptive(backbones):
 
 
 def test_gated_oracle_heads_speculate_with_dynamic_trees(backbones):
-    from cadence.latency import LatencyCurve
+    from cadence.costs.latency import LatencyCurve
 
     bb = backbones["llama"]
     prompt = PROMPTS[1]
@@ -220,7 +226,7 @@ def test_copy_trust_follows_the_request():
 def test_copy_outcomes_come_back_from_the_engine(backbones):
     """The engine reports, per step, each flagged copy node whose parent was accepted and
     whether it was accepted itself; the scheduler's trust counts them."""
-    from cadence.engine import copy_outcomes
+    from cadence.decode.request import copy_outcomes
     from cadence.schedulers.dynamic import DynamicScheduler
 
     tree = compile_tree([(0,), (0, 0)], name="c")

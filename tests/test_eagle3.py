@@ -16,13 +16,14 @@ from test_attention_heads import PROMPTS, engine_for, reference
 from tiny import tiny_backbone
 
 from cadence.cli import main
-from cadence.drafter import HeadDrafter
-from cadence.engine import GenerationConfig, drafter_states
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.generation import GenerationConfig
+from cadence.decode.request import drafter_states
 from cadence.errors import CadenceError
-from cadence.export import export_heads
+from cadence.heads.export import export_heads
 from cadence.heads import load_heads, new_heads, save_heads
 from cadence.heads.eagle3 import default_taps
-from cadence.trees import chain, compile_tree
+from cadence.trees.tree import chain, compile_tree
 
 TAPS = [1, 2, 3]  # low / mid / high of a 4-layer tiny backbone
 VOCAB = torch.tensor(sorted(set(range(0, 260, 2)) | {256, 257, 99}))  # a draft vocabulary, EOS (256) in
@@ -247,7 +248,7 @@ def test_cli_exports_eagle3_for_both_servers(exported, tmp_path, capsys):
 def test_trainer_defaults_the_taps_trains_its_own_head_and_refuses_kl(tmp_path):
     from test_training_support import base_config, make_data, tiny_model_dir
 
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
     from cadence.training.trainer import train
 
     model = tiny_model_dir(tmp_path)

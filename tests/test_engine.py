@@ -8,11 +8,12 @@ import pytest
 import torch
 from tiny import OracleDrafter, tiny_backbone
 
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
-from cadence.schedulers import StaticScheduler
-from cadence.trees import compile_tree, preset_names
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import compile_tree, preset_names
 
 K = 3
 N = 32  # new tokens per generation
@@ -199,7 +200,7 @@ def test_head_drafter_greedy_drafts_are_head_argmax(llama):
     heads = new_heads("hydra", llama, K, random=True, seed=3)
     tree = compile_tree([(0,), (1,), (0, 0), (1, 0), (1, 1)])
     hidden = torch.randn(llama.hidden_size)
-    from cadence.sampling import SamplingParams
+    from cadence.verify.sampling import SamplingParams
     d = HeadDrafter(heads).draft(tree, 7, hidden, [1, 2, 3], SamplingParams(), None)
     assert d.q is None and d.tokens[0] == 7
     s0 = heads.init_state(hidden[None])
@@ -215,7 +216,7 @@ def test_head_drafter_greedy_drafts_are_head_argmax(llama):
 
 def test_typical_with_greedy_drafts_at_t0_equals_greedy(llama):
     """The argmax always passes the typical threshold (p_max >= exp(-H) > alpha exp(-H))."""
-    from cadence.verify import Rule
+    from cadence.verify.rules import Rule
     ids, ref = reference(llama)
     oracle = OracleDrafter(ref.tokens, len(ids), K, llama.vocab_size)
     g = spec_engine(llama, oracle, "tree-8").generate(ids, GenerationConfig(max_new_tokens=N, rule=Rule.TYPICAL))
@@ -223,7 +224,7 @@ def test_typical_with_greedy_drafts_at_t0_equals_greedy(llama):
 
 
 def test_bfloat16_backbone_tree_decoding():
-    from cadence.backbone import Backbone
+    from cadence.backbone.base import Backbone
     base = tiny_backbone("qwen2")
     bb = Backbone(base.model.to(torch.bfloat16), base.tokenizer, name="tiny-qwen2-bf16")
     ids = bb.encode_prompt("Once upon a time", chat=True)

@@ -5,12 +5,14 @@ import torch
 from tiny import OracleDrafter, save_tiny, tiny_backbone
 from transformers import LlamaConfig, ViTConfig
 
-from cadence.backbone import load_backbone, resolve_dtype, resolve_model_dir
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.backbone.base import resolve_dtype
+from cadence.backbone.load import load_backbone, resolve_model_dir
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 
 
 def test_over_long_prompt(llama):

@@ -16,13 +16,14 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from cadence.cli import main
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.export import export_heads, import_eagle
+from cadence.heads.export import export_heads, import_eagle
 from cadence.heads import new_heads, save_heads
-from cadence.schedulers import StaticScheduler
-from cadence.trees import compile_tree, preset
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import compile_tree, preset
 
 
 def assert_same_drafts(bb, heads, back):
@@ -159,7 +160,7 @@ def test_vllm_medusa_layout_reproduces_each_heads_top1(medusa):
 
 
 def test_vllm_medusa_round_trip_gives_identical_drafts(medusa):
-    from cadence.export import import_medusa
+    from cadence.heads.export import import_medusa
 
     root, bb, heads = medusa["root"], medusa["bb"], medusa["heads"]
     out = export_heads(root / "heads", "vllm-medusa", root / "rt", lm_weight=bb.lm_head.weight)
@@ -169,7 +170,7 @@ def test_vllm_medusa_round_trip_gives_identical_drafts(medusa):
 
 
 def test_vllm_medusa_refuses_wrong_kind_missing_or_foreign_lm_head(medusa, tmp_path):
-    from cadence.export import import_medusa
+    from cadence.heads.export import import_medusa
 
     root, bb = medusa["root"], medusa["bb"]
     with pytest.raises(CadenceError, match="pass the backbone"):

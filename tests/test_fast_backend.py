@@ -8,9 +8,11 @@ from test_fast_model import close, pair
 from tiny import save_tiny, tiny_backbone
 from transformers import LlamaConfig
 
-from cadence.backbone import Backbone, load_backbone
+from cadence.backbone.base import Backbone
+from cadence.backbone.load import load_backbone
 from cadence.errors import CadenceError
-from cadence.fast import make_fast, unsupported_reason
+from cadence.backbone.load import make_fast
+from cadence.fast.arch import unsupported_reason
 from cadence.fast.cache import StaticKVCache
 from cadence.fast.model import FastBackbone
 
@@ -73,7 +75,7 @@ def test_static_cache_compaction_is_an_index_copy():
     c.v[:, :, :, :9] = -vals[None, None, None, :, None]
     c.advance(9)
     k_before = c.k
-    c.compact(5, [0, 2])  # the worked example in cadence.kv_cache: entries 0..4, 5, 7
+    c.compact(5, [0, 2])  # the worked example in cadence.backbone.kv_cache: entries 0..4, 5, 7
     assert c.length() == 7
     assert c.k[1, 0, 0, :7, 0].tolist() == [0, 1, 2, 3, 4, 5, 7]
     assert c.v[0, 0, 0, :7, 1].tolist() == [0, -1, -2, -3, -4, -5, -7]

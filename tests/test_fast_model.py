@@ -22,7 +22,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from cadence.backbone import Backbone
+from cadence.backbone.base import Backbone
 from cadence.fast.model import FastBackbone
 
 ATOL = 1e-4  # logits are O(10) here; fp32 reassociation differences are ~1e-5

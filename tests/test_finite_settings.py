@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadence.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.sampling import MIN_TEMPERATURE, SamplingParams, probs
+from cadence.verify.sampling import MIN_TEMPERATURE, SamplingParams, probs
 
 
 @pytest.mark.parametrize("kwargs", [{"drift": float("inf")}, {"drift": float("nan")}, {"drift": -1.0},

@@ -139,7 +139,7 @@ def test_the_avx2_avx512_and_generic_builds_give_the_same_bits(level):
     to compile (a build CADENCE_ISA made already is reused)."""
     import platform
 
-    from cadence.fast.cpu import _hardware_flags
+    from cadence.system.machine import _hardware_flags
 
     need = {"avx2": "avx2", "avx512": "avx512bw", "x86-64": "sse2"}[level]
     if platform.machine() not in ("x86_64", "AMD64") or need not in _hardware_flags():
@@ -165,7 +165,7 @@ LAYER_TYPES = {  # per layer, the GGML type of each projection (layer 1 mixes fo
 
 def gguf_model(tmp_path, family: str = "llama-tied"):
     """A tiny random model whose weights are a GGUF file's dequantized blocks, as
-    ``cadence.backbone`` loads one, and that file (q and k rows permuted as llama.cpp
+    ``cadence.backbone.load`` loads one, and that file (q and k rows permuted as llama.cpp
     writes them). -> (transformers model, tokenizer, path)."""
     from test_fast_model import FAMILIES
     from tiny import byte_tokenizer
@@ -254,7 +254,8 @@ def test_a_backbone_on_gguf_blocks_is_the_fp32_model_and_speculates_to_its_own_t
 @needs_native
 def test_quant_auto_takes_gguf_only_where_it_applies(tmp_path):
     from cadence.errors import CadenceError
-    from cadence.fast.model import FastBackbone, resolve_quant
+    from cadence.fast.model import FastBackbone
+    from cadence.fast.quant import resolve_quant
 
     from cadence.fast import gguf as gguf_module
 
@@ -273,7 +274,7 @@ def test_quant_auto_takes_gguf_only_where_it_applies(tmp_path):
 
 def test_the_isa_switch_narrows_the_flags_and_names_the_build(monkeypatch):
     from cadence import cli
-    from cadence.fast import cpu
+    from cadence.system import machine as cpu
 
     assert cli._ISA_ENV == cpu.ISA_ENV  # the command line sets what cpu.isa_mismatch checks
     full = cpu._hardware_flags()

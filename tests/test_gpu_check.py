@@ -80,7 +80,7 @@ def test_sampling_is_lossless_on_cuda():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_random_shape_backbone_on_cuda(tmp_path):
-    from cadence.backbone import Backbone
+    from cadence.backbone.base import Backbone
     from cadence.fast import shapes
 
     path = gpu_check.shape_path("tiny", tmp_path)

@@ -9,16 +9,18 @@ import torch
 from tiny import OracleDrafter, tiny_backbone
 from transformers import MistralConfig, MistralForCausalLM
 
-from cadence.backbone import Backbone, cache_kwarg
-from cadence.context_copy import CopyConfig
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.backbone.base import Backbone, cache_kwarg
+from cadence.draft.context_copy import CopyConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
-from cadence.sampling import SamplingParams, categorical, uniform
-from cadence.schedulers import Plan, StaticScheduler
-from cadence.trees import compile_tree, preset
-from cadence.verify import Rule
+from cadence.verify.sampling import SamplingParams, categorical, uniform
+from cadence.schedulers.base import Plan
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import compile_tree, preset
+from cadence.verify.rules import Rule
 
 PROMPT = "Write a poem about the sea."
 
@@ -45,7 +47,7 @@ def test_draws_on_cuda():
 
 def test_every_draw_goes_through_the_helper(llama, monkeypatch):
     """Sampled speculative decoding (drafter, rule, root picks, typical) draws only via
-    ``cadence.sampling.uniform`` / ``categorical``: torch's samplers called from anywhere
+    ``cadence.verify.sampling.uniform`` / ``categorical``: torch's samplers called from anywhere
     else would ignore the generator's device."""
     calls = {"rand": 0, "multinomial": 0}
     real_rand, real_mult = torch.rand, torch.multinomial
@@ -54,7 +56,7 @@ def test_every_draw_goes_through_the_helper(llama, monkeypatch):
         def fn(*args, **kwargs):
             caller = inspect.stack()[1]
             module = caller.frame.f_globals.get("__name__")
-            assert module == "cadence.sampling", f"torch.{name} called from {module}:{caller.function}"
+            assert module == "cadence.verify.sampling", f"torch.{name} called from {module}:{caller.function}"
             calls[name] += 1
             return real(*args, **kwargs)
         return fn

@@ -6,11 +6,11 @@ import pytest
 import torch
 from tiny import tiny_backbone
 
-from cadence.drafter import HeadDrafter
+from cadence.draft.head_drafter import HeadDrafter
 from cadence.errors import CadenceError
 from cadence.heads import HeadConfig, load_heads, new_heads, save_heads
-from cadence.sampling import SamplingParams
-from cadence.trees import compile_tree, preset
+from cadence.verify.sampling import SamplingParams
+from cadence.trees.tree import compile_tree, preset
 
 KINDS = ("medusa", "hydra", "mtp")
 K = 3

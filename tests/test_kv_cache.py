@@ -6,10 +6,11 @@ import pytest
 import torch
 from tiny import OracleDrafter
 
-from cadence.kv_cache import HFCache
-from cadence.engine import Engine, GenerationConfig
-from cadence.schedulers import StaticScheduler
-from cadence.trees import compile_tree
+from cadence.backbone.kv_cache import HFCache
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import compile_tree
 
 
 def filled_cache(bb, n: int):

@@ -181,7 +181,7 @@ def test_a_bf16_fast_backbone_grows_branching_trees_only_with_listed_attention(l
     name tells cached latency curves of the two apart."""
     from tiny import tiny_backbone
 
-    from cadence.fast.cpu import onednn_available
+    from cadence.system.machine import onednn_available
     from cadence.fast.model import FastBackbone
 
     if not onednn_available():
@@ -200,7 +200,7 @@ def test_batched_rows_whose_mask_hides_committed_entries_are_refused():
     from tiny import tiny_backbone
 
     from cadence.errors import CadenceError
-    from cadence.fast.cpu import onednn_available
+    from cadence.system.machine import onednn_available
     from cadence.fast.model import FastBackbone
 
     if not onednn_available():

@@ -15,7 +15,7 @@ from test_fast_model import FAMILIES, tree_mask
 from tiny import byte_tokenizer
 
 from cadence.fast import native
-from cadence.fast.cpu import onednn_available
+from cadence.system.machine import onednn_available
 from cadence.fast.model import FastBackbone
 
 needs_native = pytest.mark.skipif(native.module() is None, reason="the C++ extension could not be built here")
@@ -65,7 +65,7 @@ def _run(bb: FastBackbone, use_native: bool, chain_rows: int = 40) -> list[torch
 def _rows(bb: FastBackbone, g: torch.Generator) -> list[torch.Tensor]:
     """The batch engine's ragged forward (``forward_rows``), prefill and a padded tree step."""
     from cadence.batch.layout import pack
-    from cadence.trees import compile_tree
+    from cadence.trees.tree import compile_tree
 
     pasts = [21, 9]
     trees = [compile_tree([(0,), (0, 0)]), compile_tree([(0,), (1,), (0, 0)])]

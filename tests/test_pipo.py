@@ -58,7 +58,7 @@ def test_prompt_groups_odd_and_even():
 
 
 def test_backbone_is_untouched_and_plain_and_speculative_outputs_are_identical():
-    from cadence.engine import GenerationConfig
+    from cadence.decode.generation import GenerationConfig
     from cadence.methods import Method, MethodSpec, make_engine
 
     bb = tiny_backbone("llama", seed=5)

@@ -14,7 +14,8 @@ from test_fast_model import pair, reference_greedy, tree_greedy
 from cadence.errors import CadenceError
 from cadence.fast import native
 from cadence.fast.kernels import INT4_GROUP, Linear, dequantize_int4, int4_fits, quantize_int4, quantize_int8
-from cadence.fast.model import FastBackbone, check_quant
+from cadence.fast.model import FastBackbone
+from cadence.fast.quant import check_quant
 
 
 def test_quantize_int8_rounds_each_row_to_its_own_scale():
@@ -79,7 +80,7 @@ def test_quantized_backbone_speculates_to_its_own_greedy_tokens(quant):
 def test_quant_settings_are_refused_clearly(tmp_path):
     from test_training_support import tiny_model_dir
 
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
 
     with pytest.raises(CadenceError, match="unknown --quant"):
         check_quant("int2", torch.device("cpu"), torch.float32)
@@ -96,7 +97,7 @@ def test_quant_settings_are_refused_clearly(tmp_path):
 def test_int4_leaves_the_head_unquantized_and_latency_curves_are_per_kernels(monkeypatch):
     """The LM head stays in the model's dtype under int4 (4-bit GGUF files keep it at 8 bits
     or more), and a verify-latency curve measured with other kernels is not reused."""
-    from cadence.latency import machine_key
+    from cadence.costs.latency import machine_key
 
     ref, _ = pair("llama", seed=3)
     keys = {}
@@ -111,7 +112,7 @@ def test_int4_leaves_the_head_unquantized_and_latency_curves_are_per_kernels(mon
     assert len({k for k, _ in keys.values()}) == 3
     loop = "cpp" if native.module() is not None else "python"
     assert keys["int8"][1] == f"int8/int8/{loop}" and keys["int4"][1].startswith("int4/")
-    from cadence.fast.cpu import onednn_available
+    from cadence.system.machine import onednn_available
     if onednn_available():  # same dtype and quant, other kernels: another curve
         dense = FastBackbone(type(ref.model)(ref.model.config).float(), ref.tokenizer, "q", kernel="aten")
         assert dense.kernels == f"aten/aten/{loop}" != keys["none"][1]
@@ -127,7 +128,7 @@ def test_int4_leaves_the_head_unquantized_and_latency_curves_are_per_kernels(mon
 def test_a_latency_curve_is_not_reused_after_the_native_kernels_change(monkeypatch):
     """The curve's key names the native build (its sources), not only the kernels' kind: a
     cadence upgrade that makes multi-row forwards faster measures the curve again."""
-    from cadence.latency import machine_key
+    from cadence.costs.latency import machine_key
 
     if native.module() is None:
         pytest.skip("no native extension here")

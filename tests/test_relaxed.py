@@ -11,14 +11,15 @@ import pytest
 import torch
 from tiny import OracleDrafter
 
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
-from cadence.sampling import SamplingParams, probs
-from cadence.schedulers import StaticScheduler
-from cadence.trees import compile_tree
-from cadence.verify import RULES, Rule, VerifyContext, greedy, relaxed
+from cadence.verify.sampling import SamplingParams, probs
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import compile_tree
+from cadence.verify.rules import RULES, Rule, VerifyContext, greedy, relaxed
 
 K = 3
 N = 32

@@ -1,4 +1,4 @@
-"""``cadence.sampling``: the top-p mask without a full sort and inverse-CDF draws, against
+"""``cadence.verify.sampling``: the top-p mask without a full sort and inverse-CDF draws, against
 their definitions (a full sort; exact probabilities by chi-square)."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cadence.sampling import SamplingParams, argmax, categorical, outside_nucleus, probs, sample
+from cadence.verify.sampling import SamplingParams, argmax, categorical, outside_nucleus, probs, sample
 
 
 def full_sort_mask(dist: torch.Tensor, top_p: float) -> torch.Tensor:

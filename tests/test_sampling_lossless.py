@@ -18,12 +18,13 @@ import torch
 from scipy.stats import chisquare
 from tiny import BackboneDrafter, OracleDrafter, tiny_backbone
 
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
-from cadence.sampling import SamplingParams, probs
-from cadence.schedulers import StaticScheduler
-from cadence.trees import compile_tree
+from cadence.verify.sampling import SamplingParams, probs
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import compile_tree
 
 V = 8
 PROMPT = [1, 5, 2, 7, 3]
@@ -216,7 +217,7 @@ class FixedCounter:
 def test_sampled_context_copies_are_lossless(small):
     """Context copies at T > 0: a point-mass proposal first, then head draws from q without
     the copy's token, copies alone past the heads (depth 4 > K = 3); still plain sampling."""
-    from cadence.context_copy import CopyConfig
+    from cadence.draft.context_copy import CopyConfig
 
     bb = small["llama"]
     prompt = de_bruijn_prompt()
@@ -244,8 +245,8 @@ def test_sampled_ngram_is_lossless(small):
 def test_dynamic_tree_sampling_is_lossless(small, kind, copy):
     """EAGLE-2 dynamic trees at T > 0: candidates are the drafter's top-k under the sampling
     settings (and context copies), chosen by value, every node verified as a point mass."""
-    from cadence.context_copy import CopyConfig
-    from cadence.dynamic_tree import DynamicTree
+    from cadence.draft.context_copy import CopyConfig
+    from cadence.draft.grow import DynamicTree
     from cadence.schedulers.dynamic import DynamicScheduler
 
     bb = small["llama"]

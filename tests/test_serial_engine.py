@@ -7,12 +7,13 @@ import pytest
 from tiny import OracleDrafter
 
 from cadence.batch.serial import SerialEngine
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads
-from cadence.schedulers import StaticScheduler
-from cadence.trees import compile_tree
+from cadence.schedulers.static import StaticScheduler
+from cadence.trees.tree import compile_tree
 
 K = 3
 PROMPTS = ("Write a poem about the sea.", "Count to ten.", "abc abc abc abc", "x")

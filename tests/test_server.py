@@ -36,10 +36,11 @@ from server_support import (  # noqa: F401 - fixtures are used by name
 from tiny import OracleDrafter, tiny_backbone
 
 from cadence.batch.serial import SerialEngine
-from cadence.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import make_engine
-from cadence.schedulers import StaticScheduler
+from cadence.schedulers.static import StaticScheduler
 from cadence.server.app import AppSettings, create_app
 from cadence.server.config import ServeConfig
 
@@ -136,6 +137,8 @@ def test_per_request_speculation_options(srv, engine):
     chain = ask({"tree": "chain-2", "rule": "greedy"})
     assert chain["cadence"]["mean_nodes"] > 1.0 and chain["choices"][0]["text"] == ref
     assert ask({})["cadence"]["tree"] == "chain+copy"  # the server's own tree
+    named = ask({"method": "hydra:root+static"})  # a method name, read as `cadence generate --method` reads it
+    assert named["cadence"]["mean_nodes"] == 1.0 and named["choices"][0]["text"] == ref
 
 
 def test_models_health_and_metrics(srv):
@@ -229,6 +232,8 @@ BAD = [  # (path, raw body, status, param)
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"depth": 3}}', 400, "cadence.depth"),
     ("c", '{"model": "tiny", "prompt": "hi", "temperature": 1, "cadence": {"rule": "greedy"}}', 400, "cadence.rule"),
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"scheduler": "confidence"}}', 400, "cadence.scheduler"),
+    ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"method": "vanilla"}}', 400, "cadence.method"),
+    ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"method": "hydra,nodes=3"}}', 400, "cadence.method"),
     ("m", '{"model": "tiny", "messages": []}', 400, "messages"),
     ("m", '{"model": "tiny", "messages": "hi"}', 400, "messages"),
     ("m", '{"model": "tiny", "messages": [{"role": "user", "content": ""}]}', 400, "messages"),
@@ -345,7 +350,7 @@ def test_narrowing_flags_reach_the_batched_engine(capsys):
     from cadence.batch.narrow import NarrowConfig
     from cadence.cli import build_parser
     from cadence.cliargs import from_args
-    from cadence.fast import make_fast
+    from cadence.backbone.load import make_fast
     from cadence.server.command import multi_engine
     from cadence.server.config import NarrowFlags
 
@@ -372,12 +377,12 @@ def test_serve_build_passes_the_narrowing_flags(monkeypatch):
     """``cadence serve --batching batched --narrow-*``: the app's engine is a BatchEngine
     with those settings (the model loader is replaced by the tiny fast model)."""
     pytest.importorskip("cadence.batch.engine")
-    import cadence.backbone
+    import cadence.backbone.load
     from cadence.cli import build_parser
-    from cadence.fast import make_fast
+    from cadence.backbone.load import make_fast
     from cadence.server import command
 
-    monkeypatch.setattr(cadence.backbone, "load_backbone", lambda *a, **k: make_fast(tiny_backbone("llama"), "fast"))
+    monkeypatch.setattr(cadence.backbone.load, "load_backbone", lambda *a, **k: make_fast(tiny_backbone("llama"), "fast"))
     args = build_parser().parse_args(["serve", "--heads", "random", "--batching", "batched", "--max-batch", "3",
                                       "--narrow-mode", "root", "--narrow-min-batch", "2", "--narrow-max-nodes", "5"])
     app, conf = command.build(args)

@@ -33,7 +33,7 @@ from server_support import (  # noqa: F401 - fixtures are used by name
 from tiny import tiny_backbone
 
 from cadence.batch.serial import SerialEngine
-from cadence.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.methods import make_engine
 from cadence.server.metrics import Metrics
 from cadence.server.worker import Failure, Worker
@@ -83,7 +83,7 @@ def test_a_poisoned_request_among_eight_streams_fails_alone():
     eight others complete with the output each gives alone, and the server stays healthy."""
     pytest.importorskip("cadence.batch.engine")
     from cadence.batch.narrow import NarrowConfig
-    from cadence.fast import make_fast
+    from cadence.backbone.load import make_fast
 
     fast = make_engine(make_fast(tiny_backbone("llama"), "fast"), SPEC)
     poison = "POISON " + PROMPTS[0]

@@ -127,7 +127,7 @@ def test_batched_engine_behind_the_same_server():
     plain requests each equal their single-request output."""
     batch = pytest.importorskip("cadence.batch.engine")
     from cadence.batch.narrow import NarrowConfig
-    from cadence.fast import make_fast
+    from cadence.backbone.load import make_fast
 
     fast = make_engine(make_fast(tiny_backbone("llama"), "fast"), SPEC)  # make_fast repacks the model's weights
     multi = batch.BatchEngine.from_engine(fast, max_batch=4, narrow=NarrowConfig(mode="none"))

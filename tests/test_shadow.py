@@ -3,9 +3,10 @@ commits it, and reports whether the backbone's next token matched (``Plan.shadow
 
 import pytest
 
-from cadence.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.schedulers.base import Plan
-from cadence.trees import compile_tree
+from cadence.trees.tree import compile_tree
 from tiny import OracleDrafter, tiny_backbone
 
 ROOT = compile_tree([], name="root")
@@ -65,11 +66,11 @@ def test_the_cheap_shadow_is_the_token_a_one_draft_chain_carries(bb, copy):
     """HeadDrafter.shadow (the copy first, else head 1's argmax) == draft(chain of 1)."""
     import torch
 
-    from cadence.context_copy import CopyConfig
-    from cadence.drafter import HeadDrafter
-    from cadence.engine import SHADOW_CHAIN
+    from cadence.draft.context_copy import CopyConfig
+    from cadence.draft.head_drafter import HeadDrafter
+    from cadence.decode.request import SHADOW_CHAIN
     from cadence.heads import new_heads
-    from cadence.sampling import SamplingParams
+    from cadence.verify.sampling import SamplingParams
 
     drafter = HeadDrafter(new_heads("hydra", bb, 2, random=True, seed=4), CopyConfig() if copy else None)
     gen = torch.Generator().manual_seed(0)
@@ -122,8 +123,8 @@ def test_batched_shadows_give_the_verdicts_one_at_a_time_would_give(bb, copy, ki
     call (eagle: one LM-head call over its cache's features of the roots' entries), in
     order, with the same verdicts as judging each at once (also when the backbone reuses
     its output buffers); context copies are judged at once; nothing is committed differently."""
-    from cadence.context_copy import CopyConfig
-    from cadence.drafter import HeadDrafter
+    from cadence.draft.context_copy import CopyConfig
+    from cadence.draft.head_drafter import HeadDrafter
     from cadence.heads import new_heads
 
     ids = [5, 17, 33, 2, 9, 5, 17, 33]  # a repeat: the copy guesses some steps
@@ -152,7 +153,7 @@ def test_a_pending_shadow_keeps_its_own_state_when_the_backbone_reuses_buffers(b
     forward wrote into a reused output buffer."""
     import torch
 
-    from cadence.drafter import HeadDrafter
+    from cadence.draft.head_drafter import HeadDrafter
     from cadence.heads import new_heads
 
     ids = [5, 17, 33, 2]
@@ -178,7 +179,7 @@ def test_eagle_shadows_of_heads_that_know_the_continuation_all_hit(bb, batch):
     deferred shadow judged at the wrong entry would miss)."""
     from test_attention_heads import oracle_heads
 
-    from cadence.drafter import HeadDrafter
+    from cadence.draft.head_drafter import HeadDrafter
 
     ids = [5, 17, 33, 2, 9]
     cfg = GenerationConfig(max_new_tokens=24)

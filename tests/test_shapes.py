@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.backbone import Backbone
+from cadence.backbone.base import Backbone
 from cadence.errors import CadenceError
 from cadence.fast import shapes
 
@@ -87,7 +87,7 @@ def test_unknown_shape_is_a_clear_error():
 
 
 def test_load_backbone_never_falls_back_to_a_shape():
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
 
     with pytest.raises(CadenceError, match="does not exist"):
         load_backbone("llama-3.2-1b")  # a shape's name is not a model

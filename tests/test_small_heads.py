@@ -8,17 +8,19 @@ import pytest
 import torch
 from tiny import tiny_backbone
 
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine, GenerationConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.heads import new_heads, save_heads
 from cadence.heads.small import CLP, ConfidenceHead, load_small, save_small
 from cadence.methods import Method, MethodSpec, make_engine
-from cadence.schedulers import StaticScheduler, registry
+from cadence.schedulers import registry
+from cadence.schedulers.static import StaticScheduler
 from cadence.schedulers.base import Plan
 from cadence.schedulers.clp import ClpScheduler
 from cadence.schedulers.confidence import ConfidenceScheduler
-from cadence.trees import chain, compile_tree
+from cadence.trees.tree import chain, compile_tree
 from cadence.training.small_heads import clp_labels, confidence_target, rollout
 
 K = 3
@@ -121,7 +123,7 @@ def setup(tmp_path_factory):
 
 def _engine(setup, scheduler, copy=True, **kw):
     bb, root, hdir = setup[:3]
-    spec = MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="chain", scheduler=scheduler, copy=copy, **kw)
+    spec = MethodSpec(method=Method.HYDRA, heads=str(hdir), tree="chain", scheduler=scheduler, copy=copy, options=kw)
     return make_engine(bb, spec)
 
 
@@ -247,7 +249,7 @@ def test_small_head_files_round_trip_and_mismatch(tmp_path):
 def test_train_clp_and_confidence_end_to_end(tmp_path):
     from test_training_support import make_data, tiny_model_dir
 
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
     from cadence.training.small_heads import ClpConfig, ConfidenceConfig, run
 
     model = tiny_model_dir(tmp_path)

@@ -9,8 +9,8 @@ from tiny import OracleDrafter
 from cadence.batch.engine import BatchEngine
 from cadence.batch.narrow import BatchLatency, NarrowConfig
 from cadence.batch.step_rates import ROOT, SPECULATE, StepRates
-from cadence.engine import GenerationConfig
-from cadence.schedulers import StaticScheduler
+from cadence.decode.generation import GenerationConfig
+from cadence.schedulers.static import StaticScheduler
 
 
 def drive(rates: StepRates, batch: int, speeds: dict, steps: int) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence import backbone as bbmod
+from cadence.backbone import load as bbmod
 from cadence.cli import main
 from cadence.fast.native import build
 from cadence.system import cache as disk_cache
@@ -283,7 +283,7 @@ def test_temp_directories_of_dead_conversions_are_removed(tmp_path, cache_root, 
 
 
 def test_cadence_env_names_the_cpu_the_dtype_and_the_native_state(capsys):
-    from cadence.machine import cpu_model
+    from cadence.system.machine import cpu_model
 
     assert main(["env"]) == 0
     out = capsys.readouterr().out

@@ -80,7 +80,7 @@ def test_cache_builds_and_extends_taps(tmp_path):
 def env(tmp_path_factory):
     from test_training_support import make_data, tiny_model_dir
 
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
 
     root = tmp_path_factory.mktemp("taps")
     model = tiny_model_dir(root)  # 2 decoder layers: layer 1 is the one tap
@@ -113,8 +113,8 @@ def test_added_taps_start_as_the_drafter_and_then_train(env):
 
 
 def test_taps_round_trip_and_refuse_drafting_and_export(env, tmp_path):
-    from cadence.drafter import HeadDrafter
-    from cadence.export import export_heads
+    from cadence.draft.head_drafter import HeadDrafter
+    from cadence.heads.export import export_heads
     from cadence.heads import load_heads, new_heads, save_heads
 
     bb = env["backbone"]
@@ -231,7 +231,7 @@ def test_calibration_ranks_of_a_drafter_grown_by_taps_are_its_own(env):
     zero-weight taps rank exactly as the drafter they were grown from."""
     import copy
 
-    from cadence.calibrate import sequence_ranks
+    from cadence.calibration.acceptance import sequence_ranks
     from cadence.heads import new_heads
 
     bb = env["backbone"]
@@ -272,11 +272,12 @@ def test_batched_rows_draft_from_the_same_taps_as_the_serial_engine(temperature,
 
     from cadence.batch.engine import BatchEngine
     from cadence.batch.narrow import NarrowConfig
-    from cadence.drafter import HeadDrafter
-    from cadence.engine import Engine, GenerationConfig
+    from cadence.draft.head_drafter import HeadDrafter
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.fast.model import FastBackbone
     from cadence.heads import new_heads
-    from cadence.schedulers import StaticScheduler
+    from cadence.schedulers.static import StaticScheduler
 
     bb = FastBackbone.from_backbone(tiny_backbone("llama", layers=3))
     heads = new_heads(kind, bb, 3, random=True, seed=4, taps=[1, 2])

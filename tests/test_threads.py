@@ -1,4 +1,4 @@
-"""Torch work on the server's engine thread runs on every core (``cadence.threads``)."""
+"""Torch work on the server's engine thread runs on every core (``cadence.system.threads``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from cadence.fast.cpu import onednn_available
-from cadence.threads import loaded_openmp, release_openmp_pool
+from cadence.system.machine import onednn_available
+from cadence.system.threads import loaded_openmp, release_openmp_pool
 
 needs_gomp = pytest.mark.skipif(loaded_openmp() is None or "gomp" not in (loaded_openmp() or ""),
                                 reason="GNU OpenMP not loaded (another runtime or platform)")

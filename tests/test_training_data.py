@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.backbone import load_backbone
+from cadence.backbone.load import load_backbone
 from cadence.errors import CadenceError
 from cadence.training.batches import Corpus, RowDataset, collate, pack, segments, to_batch
 from cadence.training.hidden_cache import build_cache, open_cache

@@ -28,7 +28,7 @@ from cadence.training.store import (
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
 
     root = tmp_path_factory.mktemp("store")
     model = tiny_model_dir(root)
@@ -226,7 +226,7 @@ def test_one_writer_and_one_model(env, tmp_path):
 
 
 def test_trainer_calibration_and_cache_read_the_store(env, tmp_path):
-    from cadence.calibrate import _val_sequences
+    from cadence.calibration.acceptance import _val_sequences
     from cadence.training.batches import Corpus
     from cadence.training.hidden_cache import build_cache
     from cadence.training.trainer import train
@@ -322,8 +322,8 @@ def test_package_functions_become_code_prompts_without_tests_or_vendored_code(tm
 def test_fast_backend_distils_what_plain_decoding_gives(env, tmp_path):
     """``--backend fast``: continuous batching over 2 rows for 5 prompts; every reply equals the
     request decoded alone (vanilla engine) and transformers' generate (fp32 greedy)."""
-    from cadence.backbone import load_backbone
-    from cadence.engine import GenerationConfig
+    from cadence.backbone.load import load_backbone
+    from cadence.decode.generation import GenerationConfig
     from cadence.methods import Method, MethodSpec, make_engine
 
     fast = load_backbone(str(env["model"]), "float32", "cpu", backend="fast")

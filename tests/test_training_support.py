@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cadence.atomic import atomic_write_json  # noqa: E402
+from cadence.system.atomic import atomic_write_json  # noqa: E402
 from cadence.training.data import MANIFEST, write_shard  # noqa: E402
 
 VOCAB = 260

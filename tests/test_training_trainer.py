@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.backbone import load_backbone
+from cadence.backbone.load import load_backbone
 from cadence.cli import main
 from cadence.errors import CadenceError
 from cadence.heads import load_heads

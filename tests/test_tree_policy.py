@@ -2,14 +2,14 @@
 
 import pytest
 
-from cadence.drafter import HeadDrafter
-from cadence.context_copy import CopyConfig
-from cadence.engine import GenerationConfig
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.draft.context_copy import CopyConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.heads import new_heads
-from cadence.latency import LatencyCurve
-from cadence.sampling import SamplingParams
-from cadence.tree_policy import TreePolicy, best_tree
-from cadence.trees import chain, expected_tau
+from cadence.costs.latency import LatencyCurve
+from cadence.verify.sampling import SamplingParams
+from cadence.costs.tree_choice import TreePolicy, best_tree
+from cadence.trees.tree import chain, expected_tau
 
 TABLE = [[0.7, 0.15, 0.05], [0.6, 0.1, 0.05], [0.5, 0.1, 0.0]]  # a[k][i], K = 3
 
@@ -76,7 +76,7 @@ def test_entropy_ema_is_bias_corrected():
 
 def _entmtp():
     from cadence.schedulers.entmtp import EntMTPScheduler
-    from cadence.trees import compile_tree
+    from cadence.trees.tree import compile_tree
 
     trees = [compile_tree(chain(d), name=f"c{d}") for d in (3, 2, 0)]
     return EntMTPScheduler([0.5, 1.5], trees, window=1, hysteresis=0.1)  # window 1: no smoothing
@@ -97,7 +97,7 @@ def test_entmtp_does_not_flap_on_noise_at_an_edge():
 
 def test_entmtp_smoothing_ignores_a_single_spike():
     from cadence.schedulers.entmtp import EntMTPScheduler
-    from cadence.trees import compile_tree
+    from cadence.trees.tree import compile_tree
 
     trees = [compile_tree(chain(d), name=f"c{d}") for d in (3, 2, 0)]
     s = EntMTPScheduler([0.5, 1.5], trees, window=8, hysteresis=0.1)
@@ -112,7 +112,7 @@ def test_entmtp_smoothing_ignores_a_single_spike():
 def test_a_chains_only_backbone_gets_chains_from_every_tree_choice(llama):
     """Row-consistent bf16 attends once per root-to-leaf path: there the policy grows chains,
     the adaptive frontier holds chains only, and the latency probe measures chains."""
-    from cadence.latency import _probe_tree
+    from cadence.costs.latency import probe_tree
     from cadence.schedulers.adaptive import frontier
 
     heads = new_heads("hydra", llama, 3, random=True)
@@ -126,7 +126,7 @@ def test_a_chains_only_backbone_gets_chains_from_every_tree_choice(llama):
     assert policy.tree_for(SamplingParams()).is_chain and policy.tree_for(SamplingParams()).max_depth == 3
     for cand in frontier(policy.table(False), flat, 0.0, 3, 3):
         assert cand.tree.is_chain
-    assert _probe_tree(8, chains_only=True).is_chain and not _probe_tree(8).is_chain
+    assert probe_tree(8, chains_only=True).is_chain and not probe_tree(8).is_chain
     asked = TreePolicy("auto-5", heads, drafter, flat, chains_only=True).tree_for(SamplingParams())
     assert asked.size == 6 and not asked.is_chain  # auto-N is the user's shape: N drafts, any tree
 
@@ -134,8 +134,8 @@ def test_a_chains_only_backbone_gets_chains_from_every_tree_choice(llama):
 def test_auto_dtype_takes_bf16_only_where_it_is_lossless(monkeypatch):
     import torch
 
-    import cadence.fast.cpu as cpu
-    from cadence.backbone import lossless_bf16
+    import cadence.system.machine as cpu
+    from cadence.backbone.load import lossless_bf16
     from tiny import tiny_backbone
 
     config = tiny_backbone("llama").config
@@ -157,8 +157,8 @@ def test_isa_limits_turn_an_avx512_bf16_cpu_into_an_avx2_one(monkeypatch):
     precision choice and the reports follow them, not the raw /proc/cpuinfo flags."""
     import torch
 
-    import cadence.fast.cpu as cpu
-    from cadence.machine import machine_line
+    import cadence.system.machine as cpu
+    from cadence.system.machine import machine_line
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile"}))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
@@ -182,11 +182,11 @@ def test_isa_limits_turn_an_avx512_bf16_cpu_into_an_avx2_one(monkeypatch):
 def test_shipped_profiles_give_every_task_one_tree_per_entropy_bin(name):
     """Each shipped profiles.json holds the five tasks with one acceptance table per bin, and
     EntMTP derives one tree per bin from it that pays under a flat verify curve."""
-    from cadence.latency import LatencyCurve
-    from cadence.methods import SHIPPED_HEADS
-    from cadence.profiles import load_profiles
+    from cadence.costs.latency import LatencyCurve
+    from cadence.heads.shipped import SHIPPED_HEADS
+    from cadence.heads.profiles import load_profiles
     from cadence.schedulers.entmtp import bin_trees
-    from cadence.trees import expected_tau
+    from cadence.trees.tree import expected_tau
 
     profiles = load_profiles(SHIPPED_HEADS / "smollm2" / name)
     assert set(profiles) == {"general", "humaneval", "gsm8k", "sharegpt", "writing"}

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from cadence.backbone import _additive_mask
+from cadence.backbone.base import _additive_mask
 
 from cadence.errors import CadenceError
-from cadence.trees import (chain, compile_tree, expected_tau, grow_tree, preset, preset_names,
+from cadence.trees.tree import (chain, compile_tree, expected_tau, grow_tree, preset, preset_names,
                            prior_acceptance)
 
 T, F = True, False

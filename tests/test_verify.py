@@ -5,9 +5,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cadence.sampling import SamplingParams, probs
-from cadence.trees import compile_tree
-from cadence.verify import RULES, Rule, VerifyContext, greedy, speculative, typical
+from cadence.verify.sampling import SamplingParams, probs
+from cadence.trees.tree import compile_tree
+from cadence.verify.rules import RULES, Rule, VerifyContext, greedy, speculative, typical
 
 V = 6
 P = torch.tensor([0.30, 0.05, 0.25, 0.10, 0.20, 0.10])  # backbone distribution at the root

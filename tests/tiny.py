@@ -6,8 +6,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from cadence.backbone import Backbone
-from cadence.drafter import Draft
+from cadence.backbone.base import Backbone
+from cadence.draft.base import Draft
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -102,7 +102,7 @@ class BackboneDrafter:
 
     @torch.inference_mode()
     def draft(self, tree, root, hidden, context, sampling, generator, copies=None) -> Draft:
-        from cadence.sampling import categorical, probs
+        from cadence.verify.sampling import categorical, probs
 
         n = tree.size
         tokens = torch.empty(n, dtype=torch.long)

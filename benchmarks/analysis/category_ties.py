@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.decode.generation import GenerationConfig
+from cadence.methods import MethodSpec, make_engine
 
 common.use("e2e")
 from categories import PROMPTS, parse_method  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> None:
     dtype = res["dtype"].replace("torch.", "")
     bb = common.backbone(args.model, dtype, backend="fast" if res["backend"] == "FastBackbone" else "transformers")
     items = {it["id"]: it for it in map(json.loads, Path(args.prompts).read_text().splitlines()) if it}
-    vanilla = make_engine(bb, MethodSpec(method=Method.VANILLA))
+    vanilla = make_engine(bb, MethodSpec.parse("vanilla"))
     cfg = GenerationConfig(max_new_tokens=res["max_new_tokens"])
     for row in res["rows"]:
         if row["identical"] or row["method"] == "vanilla":

@@ -1,7 +1,7 @@
 """Teacher-forced top-1 per depth on the store's val split, with and without the context vocabulary.
 
 For each heads directory: the share of reply positions where head k's top candidate is the
-backbone's token (``calibrate.sequence_ranks``, rank 0), drafting over the draft vocabulary
+backbone's token (``acceptance.sequence_ranks``, rank 0), drafting over the draft vocabulary
 alone and over the draft vocabulary plus the context's own tokens outside it (what
 ``HeadDrafter(context_vocab=...)`` and ``cadence calibrate`` use), and how many targets were
 outside the draft vocabulary but already in the context.
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.calibrate import _val_sequences, sequence_ranks
+from cadence.calibration.acceptance import _val_sequences, sequence_ranks
 from cadence.heads import load_heads
 
 

@@ -7,7 +7,7 @@ copies at least ``copy_conf`` / ``copy_run_conf`` of their parent) and whether i
 Prints acceptance per value bin, and per node kind (head candidate, first context copy,
 copied run) the acceptance given the parent was accepted against the mean value ratio
 (node value / parent value). A calibrated drafter has both columns equal; the latency-cut
-tree size (``dynamic_tree.best_size``) relies on it.
+tree size (``grow.best_size``) relies on it.
 
 Usage:  python benchmarks/analysis/dynamic_calibration.py --method eagle [--heads eagle-taps] [--no-copy] [--shard data/selfdistill/smollm2/shard-00149.npz --shard-prompts 10]
 """
@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-import cadence.dynamic_tree as dt
-import cadence.engine as engine_mod
-from cadence.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+import cadence.draft.grow as dt
+import cadence.decode.request as request_mod
+from cadence.decode.generation import GenerationConfig
+from cadence.methods import MethodSpec, make_engine
 
 common.use("e2e")
 from draft_cost import PROMPTS  # noqa: E402
@@ -44,7 +44,7 @@ def shard_prompts(path: str, n: int) -> list[list[int]]:
 
 
 class Recorder:
-    """Wraps ``dynamic_tree.to_draft`` (node values and kinds of the drafted tree) and the
+    """Wraps ``grow.to_draft`` (node values and kinds of the drafted tree) and the
     engine's ``Request.finish_step`` (the accepted path) to tally them."""
 
     def __init__(self):
@@ -93,14 +93,13 @@ def main() -> None:
     ap.add_argument("--out", default="", help="write the tallies as JSON here")
     args = ap.parse_args()
     bb = common.backbone(args.model, "auto")
-    eng = make_engine(bb, MethodSpec(method=Method(args.method), heads=args.heads, copy=not args.no_copy,
-                                           scheduler="dynamic"))
+    eng = make_engine(bb, MethodSpec.parse(f"{args.method}+dynamic", MethodSpec(heads=args.heads, copy=not args.no_copy)))
     prompts = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
     if args.shard:
         prompts += shard_prompts(args.shard, args.shard_prompts)
     rec = Recorder()
     dt.to_draft = rec.to_draft
-    real_finish = engine_mod.Request.finish_step
+    real_finish = request_mod.Request.finish_step
 
     def finish(self, job, logits, hidden):
         rule, seen = self.rule, {}
@@ -117,13 +116,13 @@ def main() -> None:
             if values is not None and len(values) + 1 == job.tree.size and "v" in seen:
                 rec.tally(job.tree, seen["v"].path, values)
 
-    engine_mod.Request.finish_step = finish
+    request_mod.Request.finish_step = finish
     try:
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
         for ids in prompts:
             eng.generate(ids, cfg)
     finally:
-        engine_mod.Request.finish_step = real_finish
+        request_mod.Request.finish_step = real_finish
         dt.to_draft = ORIG_TO_DRAFT
     info = common.machine()
     print(f"Machine: {common.machine_line(info)}; {args.method} ({args.heads}), copy {not args.no_copy}, {len(prompts)} prompts\n")

@@ -8,7 +8,7 @@ exactly (EntMTP estimates it from an EMA of past entropies), so a measured EntMT
 ratio above this bound would be noise, and a bound near 1.0 means that on this CPU the
 static tree is already close to the best choice at every entropy.
 
-Both trees are valued with the same model the schedulers use (``tree_policy.best_tree``:
+Both trees are valued with the same model the schedulers use (``tree_choice.best_tree``:
 expected tau under the table, step = verify latency of the tree's size + one head call per
 drafted level), with the shape filter of the backbone (chains only for lossless bf16).
 
@@ -31,12 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.latency import LatencyCurve
-from cadence.methods import Method, MethodSpec, make_engine
-from cadence.profiles import load_profiles
-from cadence.sampling import SamplingParams
-from cadence.tree_policy import best_tree, step_seconds
-from cadence.trees import expected_tau
+from cadence.costs.latency import LatencyCurve
+from cadence.methods import MethodSpec, make_engine
+from cadence.heads.profiles import load_profiles
+from cadence.verify.sampling import SamplingParams
+from cadence.costs.tree_choice import best_tree, step_seconds
+from cadence.trees.tree import expected_tau
 
 
 def tokens_per_s(paths: list, table: list[list[float]], latency, draft_s: float, num_heads: int) -> float:
@@ -124,8 +124,8 @@ def curve_predictions(path: str | Path, dtype: str | None = None, heads_root: st
     or the calibrated table's depth, whichever is deeper, as ``cadence.methods`` sets it)."""
     from types import SimpleNamespace
 
-    from cadence.heads.policy import load_policy
-    from cadence.tree_policy import TreePolicy
+    from cadence.heads.tables import load_policy
+    from cadence.costs.tree_choice import TreePolicy
 
     latency, drafts, chains_only, _ = curve_from_file(path, dtype)
     out = {}
@@ -159,7 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     bb = common.backbone(args.model, args.dtype)
     latency = curve_from_file(args.curve, args.curve_dtype)[0] if args.curve else None
-    engine = make_engine(bb, MethodSpec(method=Method(args.method), heads=args.heads), latency=latency)
+    engine = make_engine(bb, MethodSpec.parse(args.method, MethodSpec(heads=args.heads)), latency=latency)
     policy, heads = engine.tree_policy, engine.drafter.heads
     if args.curve:
         policy, curve_dtype = with_curve(engine, args.curve, args.curve_dtype, args.method)

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 import common  # noqa: E402
 from cadence.bench import metrics as M
 from cadence.bench.tasks import load_task, seeded_subset
-from cadence.engine import GenerationConfig
-from cadence.machine import cpu_model
-from cadence.methods import Method, MethodSpec, make_engine
-from cadence.verify import Rule
+from cadence.decode.generation import GenerationConfig
+from cadence.system.machine import cpu_model
+from cadence.methods import MethodSpec, make_engine
+from cadence.verify.rules import Rule
 
 TASKS = ("humaneval", "gsm8k")
 
@@ -64,8 +64,8 @@ def agreement(tokens: list[int], ref: list[int]) -> float:
 def run(args) -> dict:
     torch.manual_seed(0)
     bb = common.backbone(args.model)
-    vanilla = make_engine(bb, MethodSpec(method=Method.VANILLA))
-    hydra = make_engine(bb, MethodSpec(method=Method.HYDRA))
+    vanilla = make_engine(bb, MethodSpec.parse("vanilla"))
+    hydra = make_engine(bb, MethodSpec.parse("hydra"))
     eos = set(bb.eos_token_ids)
     methods: list[float | None] = [None] + list(args.deltas)
 

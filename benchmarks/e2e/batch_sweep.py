@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 import common  # noqa: E402
 from cadence.batch import narrow
 from cadence.batch.engine import BatchEngine
-from cadence.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
-from cadence.sampling import SamplingParams
+from cadence.decode.generation import GenerationConfig
+from cadence.methods import MethodSpec, make_engine
+from cadence.verify.sampling import SamplingParams
 
 PROMPTS = common.PROMPTS / "categories.jsonl"
 
@@ -85,8 +85,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(common.RUNS / "batch-sweep.json"))
     args = ap.parse_args()
     bb = common.backbone(args.model, args.dtype, backend="fast")
-    hydra = make_engine(bb, MethodSpec(method=Method.HYDRA))
-    grid = narrow.load_or_measure(bb, remeasure=args.remeasure, verbose=True)
+    hydra = make_engine(bb, MethodSpec.parse("hydra"))
+    grid = narrow.batch_latency(bb, remeasure=args.remeasure, verbose=True)
     makers = {
         "vanilla": lambda b: BatchEngine(bb, max_batch=b),
         "hydra": lambda b: BatchEngine.from_engine(hydra, b, narrow=narrow.NarrowConfig(mode="none")),

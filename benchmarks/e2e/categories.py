@@ -23,23 +23,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.decode.generation import GenerationConfig
+from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = common.PROMPTS / "categories.jsonl"
 
 
 def parse_method(text: str) -> MethodSpec:
-    """A method name as ``cadence bench`` takes it ('hydra', 'hydra:auto-8', 'hydra+adaptive-k',
-    'hydra:auto+static/nocopy', 'hydra@runs/hydra/heads') -> its MethodSpec (no peers here)."""
-    from cadence.bench.runner import BenchConfig
-    from cadence.bench.runner import parse_method as bench_method
-    from cadence.errors import CadenceError
-
-    entry = bench_method(text, BenchConfig())
-    if entry.spec is None:
-        raise CadenceError(f"{text}: peers are not timed here; use cadence bench")
-    return entry.spec
+    """A method name as ``cadence generate --method`` and ``cadence bench`` take it ('hydra',
+    'hydra:auto-8', 'hydra+adaptive-k', 'hydra:auto+static/nocopy', 'hydra@runs/hydra/heads',
+    'eagle,max_nodes=16') -> its MethodSpec (``MethodSpec.parse``; no peers here)."""
+    return MethodSpec.parse(text)
 
 
 def main() -> None:
@@ -56,7 +50,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(common.RUNS / "categories.json"))
     args = ap.parse_args()
     bb = common.backbone(args.model, args.dtype, backend=args.backend, quant=args.quant)
-    engines = {"vanilla": make_engine(bb, MethodSpec(method=Method.VANILLA))}
+    engines = {"vanilla": make_engine(bb, MethodSpec.parse("vanilla"))}
     for m in args.methods:
         engines[m] = make_engine(bb, parse_method(m))
     trees = {m: f"{e.scheduler_name}, --tree {e.tree_policy.name}"

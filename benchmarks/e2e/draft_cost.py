@@ -7,11 +7,11 @@ the categories' prompts) and times, per step, the drafter's calls (``draft``, sh
 Methods are interleaved per prompt after a warm-up generation each, and each method's output
 is compared with plain decoding's (``identical``).
 
-A method may carry variant flags after a colon: ``:fp32`` drafts with float32
-heads on a bf16 backbone (``MethodSpec.heads_dtype``; the default, auto, drafts in bf16 there),
-``:py`` runs the attention heads' drafter block in Python instead of C++
-(``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy:fp32:py``; ``eagle@DIR``
-takes the heads from DIR, as in ``cadence bench``.
+Methods are named as for ``cadence generate --method`` (``MethodSpec.parse``: ``eagle@DIR``,
+``eagle+dynamic,max_nodes=8``, ...) and may carry this script's variants after ``~``: ``~fp32`` drafts
+with float32 heads on a bf16 backbone (``MethodSpec.heads_dtype``; the default, auto, drafts in bf16
+there), ``~py`` runs the attention heads' drafter block in Python instead of C++
+(``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy~fp32~py``.
 
 Usage:  python benchmarks/e2e/draft_cost.py [--methods hydra eagle mtp-attn] [--max-new-tokens 128]
 """
@@ -27,10 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-import cadence.engine as engine_mod
+import cadence.decode.request as request_mod
+from cadence.decode.engine import Engine
 from cadence.heads import attn_block
-from cadence.engine import GenerationConfig
-from cadence.methods import Method, MethodSpec, make_engine
+from cadence.decode.generation import GenerationConfig
+from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = [
     "Write a Python function that merges two sorted lists into one sorted list.",
@@ -68,26 +69,17 @@ class _Timer:
 
 
 def spec_of(name: str) -> tuple[MethodSpec, bool]:
-    """'eagle/nocopy:fp32:py' -> (its MethodSpec, whether the drafter block runs in Python);
-    'eagle@DIR/nocopy' takes the heads from DIR (as in ``cadence bench``); 'eagle+dynamic'
-    picks a scheduler, and ':FIELD=VALUE' sets a MethodSpec field, e.g.
-    'eagle+dynamic/nocopy:dyn_nodes=8'."""
-    base, *flags = name.split(":")
-    fields = dict(f.split("=", 1) for f in flags if "=" in f)
-    flags = [f for f in flags if "=" not in f]
+    """A method name of ``MethodSpec.parse``'s grammar (as ``cadence generate --method`` and
+    ``cadence bench`` read it), with this script's own variants after '~': 'eagle/nocopy~fp32~py'
+    -> (its MethodSpec with heads_dtype float32, whether the drafter block runs in Python);
+    e.g. 'eagle+dynamic/nocopy,max_nodes=8'."""
+    text, *flags = name.split("~")
     bad = set(flags) - {"fp32", "py"}
     if bad:
-        raise SystemExit(f"unknown variant flag(s) {sorted(bad)} in {name!r}: use :fp32 and/or :py")
-    copy = not base.endswith("/nocopy")
-    base = base.removesuffix("/nocopy")
-    base, _, where = base.partition("@")
-    kind, _, scheduler = base.partition("+")
-    spec = MethodSpec(method=Method(kind), copy=copy, heads=where or "default", scheduler=scheduler or "auto",
-                      heads_dtype="float32" if "fp32" in flags else "auto")
-    for key, value in fields.items():
-        if not hasattr(spec, key):
-            raise SystemExit(f"unknown MethodSpec field {key!r} in {name!r}")
-        setattr(spec, key, type(getattr(spec, key))(value))
+        raise SystemExit(f"unknown variant flag(s) {sorted(bad)} in {name!r}: use ~fp32 and/or ~py")
+    spec = MethodSpec.parse(text)
+    if "fp32" in flags:
+        spec.heads_dtype = "float32"
     return spec, "py" in flags
 
 
@@ -110,7 +102,7 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
     native_block = attn_block._native_block
     cfg = GenerationConfig(max_new_tokens=max_new)
     prompts = [bb.encode_prompt(p, chat=True) for p in PROMPTS]
-    refs = [engine_mod.Engine(bb).generate(ids, cfg).tokens for ids in prompts]
+    refs = [Engine(bb).generate(ids, cfg).tokens for ids in prompts]
 
     def python_block(m: str) -> None:
         attn_block._native_block = (lambda *a: None) if specs[m][1] else native_block
@@ -118,7 +110,7 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
     for m, eng in engines.items():  # warm-up
         python_block(m)
         eng.generate(prompts[0], cfg)
-    real_score = engine_mod.score
+    real_score = request_mod.score
     totals = {m: {"draft_s": 0.0, "verify_s": 0.0, "total_s": 0.0, "steps": 0, "tokens": 0, "identical": 0,
                   "runs": 0} for m in methods}
     try:
@@ -133,12 +125,12 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                             timers[name] = _Timer(getattr(eng.drafter, name))
                             setattr(eng.drafter, name, timers[name])
                     verify = _Timer(real_score)
-                    engine_mod.score = verify
+                    request_mod.score = verify
                     t = time.perf_counter()
                     out = eng.generate(ids, cfg)
                     tot = totals[m]
                     tot["total_s"] += time.perf_counter() - t
-                    engine_mod.score = real_score
+                    request_mod.score = real_score
                     for name in timers:
                         delattr(eng.drafter, name)  # back to the class method
                     add_drafter_times(tot, timers)
@@ -148,7 +140,7 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                     tot["identical"] += out.tokens == refs[i]
                     tot["runs"] += 1
     finally:
-        engine_mod.score = real_score
+        request_mod.score = real_score
         attn_block._native_block = native_block
     rows = {}
     for m, t in totals.items():
@@ -169,8 +161,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--methods", nargs="+", default=["vanilla", "hydra", "eagle", "mtp-attn"],
-                    help="vanilla | medusa | hydra | mtp | eagle | mtp-attn, optionally with /nocopy, "
-                         "then variant flags :fp32 (float32 heads) and :py (drafter block in Python)")
+                    help="method names (MethodSpec.parse, as cadence generate --method), then variant flags "
+                         "~fp32 (float32 heads) and ~py (drafter block in Python)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="", help="write the rows as JSON here")

@@ -238,7 +238,7 @@ def main() -> int:
     ap.add_argument("--plot", default=None, help="PNG path for the speed/quality plot")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
     from cadence.pipo.data import load_pairs
 
     bb = load_backbone(args.model, "float32", "cpu", "transformers", "none")

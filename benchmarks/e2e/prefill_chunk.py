@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
 from cadence.batch.engine import BatchEngine
-from cadence.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.methods import MethodSpec, make_engine
 
 PROMPTS = common.PROMPTS / "categories.jsonl"
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                      "itl_during_prefill_ms": {"p50": q(gp, 0.5), "p99": q(gp, 0.99), "max": q(gp, 1.0)},
                      "long_ttft_ms": {"p50": q(ttft, 0.5), "max": q(ttft, 1.0)},
                      "runs_identical_to_first_setting": f"{same}/{len(runs[c])}"})
-    result = {"machine": common.machine(), "args": vars(args), "long_prompt_tokens": len(long_ids), "prefill_forward_ms": curve, "method": str(MethodSpec()),
+    result = {"machine": common.machine(), "args": vars(args), "long_prompt_tokens": len(long_ids), "prefill_forward_ms": curve, "method": MethodSpec().format(),
               "settings": rows}
     print(f"{'chunk':>6} {'ITL p50':>8} {'p99':>8} {'max':>8} | {'during prefill p50':>18} {'p99':>8} {'max':>8} | "
           f"{'long TTFT p50':>13} {'max':>8} | same")

@@ -76,7 +76,7 @@ def server_command(name: str, port: int, args) -> list[str]:
                "--log-level", "warning"]
         return cmd + (["--method", "vanilla"] if name == "cadence-vanilla" else []) + args.cadence_args
     if name == "llama.cpp":
-        from cadence.backbone import smollm2_gguf_path
+        from cadence.backbone.load import smollm2_gguf_path
 
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()),
                 "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(args.n_ctx),

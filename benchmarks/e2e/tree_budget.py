@@ -2,7 +2,7 @@
 
 Every variant is one head set (``--method``, e.g. ``eagle@eagle-taps``) under the default
 scheduler (dynamic trees on calibrated heads, context copy on) with some ``MethodSpec`` fields
-overridden: ``nodes`` (``dyn_nodes``, the most draft nodes a step verifies; this machine's
+overridden: ``nodes`` (``max_nodes``, the node budget, the most draft nodes a step verifies; this machine's
 verify-latency curve may cut fewer), ``depth`` (``dyn_depth``, levels the heads draft; eagle's
 layer serves any depth, other heads stop at K; context copy may go deeper), ``topk``
 (``dyn_topk``, children per expanded node and nodes expanded per level). Variants and plain
@@ -31,15 +31,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import Method, MethodSpec, make_engine
 
-FIELDS = {"nodes": "dyn_nodes", "depth": "dyn_depth", "topk": "dyn_topk"}
+FIELDS = {"nodes": "max_nodes", "depth": "dyn_depth", "topk": "dyn_topk"}  # DynamicOptions fields
 
 
 def parse_variant(text: str) -> dict[str, int]:
-    """'nodes=64,depth=5' -> {'dyn_nodes': 64, 'dyn_depth': 5}."""
+    """'nodes=64,depth=5' -> {'max_nodes': 64, 'dyn_depth': 5}."""
     out = {}
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
@@ -93,9 +93,9 @@ def main() -> None:
     if base.method in (Method.VANILLA, Method.NGRAM):
         raise CadenceError(f"{args.method}: a head method is needed")
     bb = common.backbone("smollm2", args.dtype)
-    engines = {"vanilla": make_engine(bb, MethodSpec(method=Method.VANILLA))}
+    engines = {"vanilla": make_engine(bb, MethodSpec.parse("vanilla"))}
     for v in args.variants:
-        engines[v] = make_engine(bb, replace(base, **parse_variant(v)))
+        engines[v] = make_engine(bb, replace(base, options={**base.options, **parse_variant(v)}))
     clocks = {v: DraftClock(engines[v]) for v in args.variants}
     items = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     items = items[:args.limit] if args.limit else items

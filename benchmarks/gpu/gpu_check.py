@@ -104,8 +104,8 @@ def sync(device: torch.device) -> None:
 
 def on_device(bb, device: torch.device, dtype: torch.dtype = torch.float32, backend: str = "transformers"):
     """A tiny test backbone moved to ``device`` / ``dtype``, through ``backend``."""
-    from cadence.backbone import Backbone
-    from cadence.fast import make_fast
+    from cadence.backbone.base import Backbone
+    from cadence.backbone.load import make_fast
 
     moved = Backbone(bb.model.to(device=device, dtype=dtype), bb.tokenizer, name=bb.name)
     return make_fast(moved, "fast") if backend == "fast" else moved
@@ -117,9 +117,9 @@ def calibrated_random_heads(bb, kind: str, directory: Path) -> Path:
     and a random CLP, so that every scheduler (entmtp, clp, ...) builds on them."""
     from cadence.heads import new_heads
     from cadence.heads.io import save_heads
-    from cadence.heads.policy import DraftPolicy, save_policy
+    from cadence.heads.tables import DraftPolicy, save_policy
     from cadence.heads.small import CLP, CLP_FILE, save_small
-    from cadence.profiles import Profile, save_profiles
+    from cadence.heads.profiles import Profile, save_profiles
 
     k = 3
     heads = new_heads(kind, bb, k, random=True, seed=1)
@@ -141,8 +141,9 @@ def calibrated_random_heads(bb, kind: str, directory: Path) -> Path:
 def greedy_section(device: torch.device, plan: Plan, work: Path) -> dict:
     from tiny import tiny_backbone
 
-    from cadence.engine import Engine, GenerationConfig
-    from cadence.latency import LatencyCurve
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
+    from cadence.costs.latency import LatencyCurve
     from cadence.methods import Method, MethodSpec, make_engine
 
     latency = LatencyCurve([1, 4, 16, 64], [0.010, 0.011, 0.013, 0.020])  # synthetic: trees of a few nodes pay
@@ -157,7 +158,7 @@ def greedy_section(device: torch.device, plan: Plan, work: Path) -> dict:
         for method, sched, _ in cases:
             if method != "ngram" and method not in heads_dirs:
                 heads_dirs[method] = str(calibrated_random_heads(bb, method, work / f"heads-{arch}-{backend}-{method}"))
-            spec = MethodSpec(method=Method(method), heads=heads_dirs.get(method, "random"), scheduler=sched)
+            spec = MethodSpec.parse(f"{method}+{sched}", MethodSpec(heads=heads_dirs.get(method, "random")))
             try:
                 engine = make_engine(bb, spec, latency=latency)
                 for ids, ref in zip(prompts, refs):
@@ -206,7 +207,7 @@ def gof(counts: torch.Tensor, expected_p: torch.Tensor) -> dict:
 @torch.inference_mode()
 def exact_joint(bb, sampling) -> torch.Tensor:
     """P(x1, x2, x3 | prompt) under plain sampling, (V, V, V), float64 on the CPU."""
-    from cadence.sampling import probs
+    from cadence.verify.sampling import probs
 
     seqs = torch.tensor([SAMPLE_PROMPT + [a, b] for a, b in itertools.product(range(V), repeat=2)], device=bb.device)
     logits = bb.forward(seqs).logits.float()
@@ -220,11 +221,12 @@ def exact_joint(bb, sampling) -> torch.Tensor:
 def sampling_section(device: torch.device, plan: Plan) -> dict:
     from tiny import BackboneDrafter, tiny_backbone
 
-    from cadence.drafter import HeadDrafter
-    from cadence.engine import Engine, GenerationConfig
+    from cadence.draft.head_drafter import HeadDrafter
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.heads import new_heads
-    from cadence.schedulers import StaticScheduler
-    from cadence.trees import compile_tree
+    from cadence.schedulers.static import StaticScheduler
+    from cadence.trees.tree import compile_tree
 
     small = {arch: on_device(tiny_backbone(arch, vocab=V, tokenizer=False, seed=1), device) for arch in ("llama", "qwen2")}
     cases = {  # name: (arch, engine builder, temperature, top_p, top_k)
@@ -264,8 +266,9 @@ def sampling_section(device: torch.device, plan: Plan) -> dict:
 def bf16_section(device: torch.device, plan: Plan, work: Path) -> dict:
     from tiny import tiny_backbone
 
-    from cadence.engine import Engine, GenerationConfig
-    from cadence.latency import LatencyCurve
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
+    from cadence.costs.latency import LatencyCurve
     from cadence.methods import Method, MethodSpec, make_engine
 
     latency = LatencyCurve([1, 4, 16, 64], [0.010, 0.011, 0.013, 0.020])
@@ -280,7 +283,7 @@ def bf16_section(device: torch.device, plan: Plan, work: Path) -> dict:
         for method in ("hydra", "eagle"):
             heads = str(calibrated_random_heads(bb, method, work / f"bf16-{backend}-{method}"))
             for sched in ("static", "dynamic"):
-                engine = make_engine(bb, MethodSpec(method=Method(method), heads=heads, scheduler=sched), latency=latency)
+                engine = make_engine(bb, MethodSpec.parse(f"{method}+{sched}", MethodSpec(heads=heads)), latency=latency)
                 same = sum(engine.generate(i, cfg).tokens == r for i, r in zip(ids, refs))
                 rows[f"{backend}/{method}/{sched}"] = {"identical": same, "of": len(ids), "kernels": getattr(bb, "kernels", "transformers")}
         del bb
@@ -348,7 +351,8 @@ def shape_path(name: str, work: Path) -> str:
 def curves_section(device: torch.device, plan: Plan, work: Path, out: Path, deadline: float) -> dict:
     import shapes as shape_bench  # benchmarks/kernels/shapes.py
 
-    from cadence.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.fast import shapes
 
     rows, ok = {}, True
@@ -392,10 +396,11 @@ def curves_section(device: torch.device, plan: Plan, work: Path, out: Path, dead
 def host_times(bb, plan: Plan, entry: dict) -> dict:
     """The engine's time per step beyond the forwards it runs: plain decoding against a bare
     forward loop; a chain of random hydra heads against its verify forward and drafting."""
-    from cadence.drafter import HeadDrafter
-    from cadence.engine import Engine, GenerationConfig
+    from cadence.draft.head_drafter import HeadDrafter
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
     from cadence.heads import new_heads
-    from cadence.schedulers import StaticScheduler
+    from cadence.schedulers.static import StaticScheduler
 
     dev, n = bb.device, plan.decode_tokens
     bare = bare_decode(bb, n)
@@ -456,7 +461,7 @@ def environment(device: torch.device) -> dict:
         env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}",
                    cuda=torch.version.cuda)
     try:
-        from cadence.machine import cpu_model
+        from cadence.system.machine import cpu_model
 
         env["cpu"] = cpu_model()
     except Exception:  # noqa: BLE001 - informative only
@@ -518,7 +523,7 @@ def main() -> int:
               "environment": environment(device), "plan": {k: v for k, v in plan.__dict__.items() if k != "notes"},
               "sections": {}}
     try:
-        from cadence.machine import git_commit
+        from cadence.system.machine import git_commit
 
         result["commit"] = git_commit()
     except Exception:  # noqa: BLE001 - informative only

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
 import cadence.fast.consistent as consistent
-from cadence.scorer import score
-from cadence.trees import compile_tree, grow_tree, prior_acceptance
+from cadence.verify.scorer import score
+from cadence.trees.tree import compile_tree, grow_tree, prior_acceptance
 
 
 def main() -> None:

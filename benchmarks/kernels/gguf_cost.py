@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.backbone import smollm2_gguf_path
+from cadence.backbone.load import smollm2_gguf_path
 from cadence.fast import native
-from cadence.fast.cpu import isa, isa_mismatch
+from cadence.system.machine import isa, isa_mismatch
 from cadence.fast.gguf import GGUFWeights
 from cadence.fast.kernels import Linear
 

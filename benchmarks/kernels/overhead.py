@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.engine import Engine, GenerationConfig
-from cadence.latency import measure
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
+from cadence.costs.latency import measure
 
 PROMPTS = [
     "Explain how a hash table works, in a few sentences.",
@@ -66,7 +67,7 @@ def engine_vs_generate(bb, max_new, repeats):
 
 
 def forward_costs(bb, context=200, sizes=(1, 4, 16, 32, 64), reps=9, chains=None):
-    """The verify-latency probe of ``cadence.latency`` (the forward the engine runs)."""
+    """The verify-latency probe of ``cadence.costs.latency`` (the forward the engine runs)."""
     curve = measure(bb, sizes, context=context, rounds=reps, chains=chains)
     base = curve(sizes[0])
     return {str(n): {"ms": round(curve(n) * 1000, 2), "relative": round(curve(n) / base, 2)} for n in sizes}

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
 from cadence.fast import native
-from cadence.sampling import SamplingParams, argmax, probs, sample
+from cadence.verify.sampling import SamplingParams, argmax, probs, sample
 
 
 def old_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -48,7 +48,8 @@ def timed(fn, calls: int) -> float:
 def model_logits(n: int) -> torch.Tensor | None:
     """(n, V) logits of the default model along a short greedy reply, or None if it cannot load."""
     try:
-        from cadence.engine import Engine, GenerationConfig
+        from cadence.decode.engine import Engine
+        from cadence.decode.generation import GenerationConfig
 
         bb = common.backbone("smollm2")
         ids = bb.encode_prompt("Write a short story about a lighthouse keeper.", chat=True)

@@ -66,7 +66,8 @@ def rss() -> int:
 def decode(bb, tokens: int, prompt: int = 32, seed: int = 0) -> dict:
     """Greedy decoding through cadence's engine without a drafter (``vanilla``): one untimed
     warm-up, then one timed generation of ``tokens`` tokens after a random prompt."""
-    from cadence.engine import Engine, GenerationConfig
+    from cadence.decode.engine import Engine
+    from cadence.decode.generation import GenerationConfig
 
     engine = Engine(bb)
     ids = torch.randint(0, min(bb.vocab_size, 10000), (prompt,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -83,9 +84,9 @@ def decode(bb, tokens: int, prompt: int = 32, seed: int = 0) -> dict:
 
 def draft_costs(bb, kinds=DRAFT_KINDS) -> dict:
     """Seconds per drafted level of random heads of each kind at this shape (K = 3, no copy)."""
-    from cadence.drafter import HeadDrafter
+    from cadence.draft.head_drafter import HeadDrafter
     from cadence.heads.io import new_heads
-    from cadence.tree_policy import draft_seconds
+    from cadence.costs.tree_choice import draft_seconds
 
     out = {}
     for kind in kinds:
@@ -135,7 +136,7 @@ def _run(args: list[str], what: str, timeout: int = 3600) -> subprocess.Complete
 SAVE = """
 import shutil, sys, torch
 from pathlib import Path
-from cadence.backbone import resolve_model_dir
+from cadence.backbone.load import resolve_model_dir
 from cadence.fast import shapes
 shape, seed, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 model = shapes.random_model(shapes.load_config(shape), torch.bfloat16, seed)

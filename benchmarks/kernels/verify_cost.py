@@ -9,7 +9,7 @@
    random order, the backend order alternating), relative to n = 1, and the knee: the first n whose cost exceeds 1.3x T(1).
 2. Greedy decoding tokens/s on a few prompts: transformers ``generate`` against a plain
    greedy loop over the fast backbone's ``forward`` (and cadence's engine with no drafter,
-   when ``cadence.engine`` imports), interleaved per prompt, warm-up excluded, with the rate
+   when ``cadence.decode.engine`` imports), interleaved per prompt, warm-up excluded, with the rate
    of outputs identical to ``generate`` in the same dtype.
 
 Usage:  python benchmarks/kernels/verify_cost.py [--model smollm2] [--context 200] [--reps 7]
@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
-from cadence.fast.cpu import describe as cpu_features
-from cadence.fast.cpu import native_bf16
+from cadence.system.machine import describe as cpu_features
+from cadence.system.machine import native_bf16
 from cadence.fast.model import FastBackbone
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -120,7 +120,8 @@ def hf_generate(bb, ids: list[int], max_new: int) -> list[int]:
 
 def engine_vanilla(bb):
     try:
-        from cadence.engine import Engine, GenerationConfig
+        from cadence.decode.engine import Engine
+        from cadence.decode.generation import GenerationConfig
     except ImportError:  # the engine is optional here
         return None
     engine = Engine(bb)

@@ -3,9 +3,9 @@
 Knows: how the ablation data are laid out (one pool of shards, with a held-out split shared
 by every cell, and per-setting data sets that link into it), the grid of cells, running one
 cell (train with ``cadence.training.trainer``, held-out metrics from the trainer's own
-evaluation, a tree from ``cadence.calibrate``, measured tau and speedup from
+evaluation, a tree from ``cadence.calibration.command``, measured tau and speedup from
 ``cadence.bench``), recording each finished cell in ``OUT/results.json`` (a rerun skips it). The table and
-plots of ``docs/ablations.md`` are ``ablate_report.py``'s (run through ``report`` here).
+plots of ``docs/ablations.md`` are ``ablate_report.py``'s (it reads this script's results).
 Does not know: how heads, losses or decoding work (it only sets their options).
 
 Data (``prepare``): the self-distilled store's shards as they are when ``prepare`` runs
@@ -31,7 +31,7 @@ Usage::
 
     python benchmarks/training/ablate_training.py prepare          # pool + data sets + hidden cache
     python benchmarks/training/ablate_training.py grid --wrap "nice -n 10"   # each cell its own process
-    python benchmarks/training/ablate_training.py report           # docs/ablations.md + docs/ablations/*.png
+    python benchmarks/training/ablate_report.py                    # docs/ablations.md + docs/ablations/*.png
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cadence.atomic import atomic_write_json
+from cadence.system.atomic import atomic_write_json
 from cadence.cliargs import add_fields, from_args
 from cadence.errors import CadenceError
 
@@ -272,7 +272,7 @@ def prepare(cfg: AblateConfig, backbone=None) -> dict:
                 link.symlink_to(os.path.relpath(pool / f, d))
         atomic_write_json(d / "manifest.json", {**manifest, "shards": [by_file[f] for f in train_files + [VAL]]})
     if backbone is None:
-        from cadence.backbone import load_backbone
+        from cadence.backbone.load import load_backbone
         backbone = load_backbone(cfg.model, cfg.dtype, "cpu")
     from cadence.training.hidden_cache import build_cache
     build_cache(cfg.cache, backbone, pool, None, progress=cfg.progress)
@@ -364,7 +364,7 @@ def run_cell(cfg: AblateConfig, name: str, backbone=None) -> dict:
 def _run_cell(cfg: AblateConfig, cell: Cell, out: Path, backbone) -> dict:
     import torch
 
-    from cadence.machine import machine_info
+    from cadence.system.machine import machine_info
     from cadence.training.trainer import train
 
     name = cell.name
@@ -387,7 +387,7 @@ def _run_cell(cfg: AblateConfig, cell: Cell, out: Path, backbone) -> dict:
 
 
 def _backbone(cfg: AblateConfig):
-    from cadence.backbone import load_backbone
+    from cadence.backbone.load import load_backbone
 
     return load_backbone(cfg.model, cfg.dtype, "cpu")
 
@@ -396,7 +396,7 @@ def _measure(cfg: AblateConfig, cell: Cell, out: Path, backbone) -> dict:
     """Calibrate the cell's trained heads (out/heads) and benchmark them: the record's
     ``calibrated``, ``bench`` and ``seconds`` (calibrate, bench) fields."""
     from cadence.bench.runner import BenchConfig, run_bench
-    from cadence.calibrate import CalibrateConfig, calibrate
+    from cadence.calibration.command import CalibrateConfig, calibrate
 
     t0 = time.time()
     heads = out / "heads"
@@ -428,7 +428,7 @@ def remeasure(cfg: AblateConfig, names: list[str], backbone=None) -> dict:
 
     import torch
 
-    from cadence.machine import machine_info
+    from cadence.system.machine import machine_info
 
     done = load_results(cfg.out)
     every = {c.name: c for c in grid_cells() + attention_cells()}
@@ -543,17 +543,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_ in (("prepare", "write the pool, the data sets and the hidden-state cache"),
                         ("grid", "run every cell not yet in OUT/results.json, each its own process"),
                         ("cell", "run one cell (what grid starts)"),
-                        ("remeasure", "calibrate and benchmark recorded cells again (their heads stay)"),
-                        ("report", "write the table and plots from OUT/results.json")):
+                        ("remeasure", "calibrate and benchmark recorded cells again (their heads stay)")):
         p = sub.add_parser(name, help=help_)
         add_fields(p, AblateConfig)
         if name == "cell":
             p.add_argument("name", help="cell name")
         if name == "remeasure":
             p.add_argument("names", nargs="+", help="recorded cell names")
-        if name == "report":
-            p.add_argument("--doc", default="docs/ablations.md", help="markdown file written")
-            p.add_argument("--plots", default="docs/ablations", help="directory of the PNG plots")
     args = ap.parse_args(argv)
     cfg = from_args(AblateConfig, args)
     try:
@@ -565,12 +561,8 @@ def main(argv: list[str] | None = None) -> int:
             run_grid(cfg)
         elif args.cmd == "cell":
             run_cell(_grid_config(cfg), args.name)
-        elif args.cmd == "remeasure":
-            remeasure(_grid_config(cfg), args.names)
         else:
-            from ablate_report import write_report
-
-            write_report(cfg, args.doc, args.plots)
+            remeasure(_grid_config(cfg), args.names)
     except CadenceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

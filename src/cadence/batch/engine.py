@@ -51,12 +51,15 @@ import torch
 
 from cadence.batch.api import Event, failed
 from cadence.batch.layout import pack
-from cadence.batch.narrow import MAX_NODES, CappedScheduler, NarrowConfig, Narrowing
+from cadence.batch.narrow import batch_latency, CappedScheduler, NarrowConfig, Narrowing
 from cadence.batch.prefill import Prefill
 from cadence.batch.step_rates import ROOT, SPECULATE, StepRates
-from cadence.engine import Engine, GenerationConfig, PendingStep, Request, drafter_states
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
+from cadence.decode.request import drafter_states, PendingStep, Request
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
+from cadence.trees.budget import MAX_NODES
 
 INITIAL_CAPACITY = 256  # per-row cache entries before the first doubling
 log = logging.getLogger(__name__)
@@ -102,8 +105,7 @@ class BatchEngine:
         self.tree_policy = tree_policy
         self.narrow_cfg = narrow or NarrowConfig()
         if latency is None and drafter is not None and self.narrow_cfg.mode == "auto":
-            from cadence.batch.narrow import load_or_measure
-            latency = load_or_measure(backbone, verbose=True)
+            latency = batch_latency(backbone, verbose=True)
         self.narrowing = Narrowing(self.narrow_cfg, latency, draft_s, drafter.num_heads if drafter else 1)
         cfg = self.narrow_cfg
         self.step_rates = StepRates() if drafter is not None and cfg.mode == "auto" and cfg.measured else None

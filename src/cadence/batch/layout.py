@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.trees import CompiledTree
+from cadence.trees.tree import CompiledTree
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Knows: the verify latency of one batched forward of B rows x n nodes per row on this
 machine (``BatchLatency``, measured through ``FastBackbone.forward_rows`` and cached per
-machine like ``cadence.latency``), an acceptance table (expected tokens per step of the
+machine like ``cadence.costs.latency``), an acceptance table (expected tokens per step of the
 greedy growth of n nodes), and how to cut a planned tree to a node cap. Does not know
 which tree a row's scheduler wants (it only caps it) or how nodes are verified, so it is
 lossless under every lossless rule.
@@ -15,7 +15,7 @@ size for the same reason; vLLM's ``disable_by_batch_size``).
 
 The cap for B rows is the node count of the tree of highest expected batch tokens/s,
 ``B * tau(n) / (T(B, n) + B * draft_s * depth)``, over greedy growths of the acceptance
-table (``tree_policy.best_tree`` on the latency curve of batch B); the root alone
+table (``tree_choice.best_tree`` on the latency curve of batch B); the root alone
 (cap 1: no speculation) wins unless speculation is expected to be ``margin`` better.
 Example: T(8, 1) = 40 ms, T(8, 3) = 70 ms, tau(3) = 1.6 -> 1.6 / 70 < 1 / 40: cap 1.
 """
@@ -30,16 +30,18 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from cadence.atomic import atomic_write_json
+from cadence.batch.layout import pack
+from cadence.costs.latency import LatencyCurve, probe_tree
+from cadence.costs.tree_choice import best_tree
 from cadence.errors import CadenceError
-from cadence.sampling import argmax
-from cadence.latency import LatencyCurve, _probe_tree, machine_key
-from cadence.machine import cpu_model
 from cadence.schedulers.base import Plan, StepInfo, StepState
-from cadence.tree_policy import best_tree
-from cadence.trees import CompiledTree, compile_tree, prior_acceptance
+from cadence.system import cache as disk_cache
+from cadence.system.atomic import atomic_write_json
+from cadence.system.machine import cpu_model, machine_key
+from cadence.trees.budget import MAX_NODES, clamp_nodes
+from cadence.trees.tree import CompiledTree, compile_tree, prior_acceptance
+from cadence.verify.sampling import argmax
 
-MAX_NODES = 128  # hard cap per row: the batch cache keeps this much room past the model's positions
 BATCHES = (1, 2, 4, 8)
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 FORMAT = 1
@@ -107,7 +109,7 @@ class Narrowing:
 
     def cap(self, batch: int, table: list[list[float]] | None, max_depth: int) -> int:
         """Nodes (root included) a row may verify when ``batch`` rows decode together."""
-        hard = min(self.cfg.max_nodes or MAX_NODES, MAX_NODES)
+        hard = clamp_nodes(self.cfg.max_nodes)
         if batch < self.cfg.min_batch or self.cfg.mode == "none":
             return hard
         if self.cfg.mode == "root":
@@ -170,8 +172,6 @@ class CappedScheduler:
 def measure(backbone, batches=BATCHES, sizes=SIZES, context: int = 128, rounds: int = 5) -> BatchLatency:
     """Lower quartile over ``rounds`` interleaved passes (after one warm-up) of one
     ``forward_rows`` over B rows x n probe-tree nodes, logits for every real node."""
-    from cadence.batch.layout import pack
-
     context = min(context, backbone.max_positions - max(sizes) - 1)
     gen = torch.Generator().manual_seed(0)
     dev = backbone.device
@@ -183,7 +183,7 @@ def measure(backbone, batches=BATCHES, sizes=SIZES, context: int = 128, rounds: 
     for r in range(rounds + 1):
         for b in batches:
             for n in sizes:
-                tree = _probe_tree(n, getattr(backbone, "chains_only", False))
+                tree = probe_tree(n, getattr(backbone, "chains_only", False))
                 toks = [torch.randint(0, backbone.vocab_size, (n,), generator=gen) for _ in range(b)]
                 t = time.perf_counter()
                 p = pack([context] * b, [tree] * b, toks, dev)
@@ -198,11 +198,9 @@ def measure(backbone, batches=BATCHES, sizes=SIZES, context: int = 128, rounds: 
     return BatchLatency(list(batches), list(sizes), grid, context, machine_key(backbone))
 
 
-def load_or_measure(backbone, remeasure: bool = False, verbose: bool = False, **kwargs) -> BatchLatency:
+def batch_latency(backbone, remeasure: bool = False, verbose: bool = False, **kwargs) -> BatchLatency:
     """The cached (batch, nodes) latency grid for this machine and backbone, measured once."""
-    from cadence.backbone import cache_root
-
-    path = cache_root() / "latency" / f"batch-{machine_key(backbone)}.json"
+    path = disk_cache.root() / "latency" / f"batch-{machine_key(backbone)}.json"
     if path.is_file() and not remeasure:
         try:
             data = json.loads(path.read_text())

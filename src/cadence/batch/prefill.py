@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from cadence.engine import Request, drafter_states
+from cadence.decode.request import Request, drafter_states
 
 
 class Prefill:

@@ -21,7 +21,9 @@ import logging
 from collections import OrderedDict
 
 from cadence.batch.api import Event, failed
-from cadence.engine import Engine, GenerationConfig, Request
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
+from cadence.decode.request import Request
 from cadence.errors import CadenceError
 from cadence.schedulers.base import SchedulerFactory
 

@@ -14,10 +14,12 @@ malicious code: model output is run as the current user.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 MEMORY_LIMIT_BYTES = 2 * 1024 ** 3
@@ -34,8 +36,6 @@ class ExecResult:
 
 def _limits() -> None:  # runs in the child before exec
     try:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except (ImportError, ValueError, OSError):
@@ -44,8 +44,6 @@ def _limits() -> None:  # runs in the child before exec
 
 def run_python(code: str, timeout: float = 10.0) -> ExecResult:
     """Run ``code`` as a script; passed iff it exits with status 0 within ``timeout`` s."""
-    import time
-
     with tempfile.TemporaryDirectory(prefix="cadence-exec-") as tmp:
         script = os.path.join(tmp, "program.py")
         with open(script, "w", encoding="utf-8") as fh:

@@ -32,8 +32,10 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig as HFConfig
 
-from cadence.engine import Generation, GenerationConfig, Stats
+from cadence.backbone.load import DEFAULT_MODEL, smollm2_gguf_path
+from cadence.decode.generation import Generation, GenerationConfig, Stats
 from cadence.errors import CadenceError
 
 PEERS = ("hf-generate", "hf-pld", "llama.cpp")
@@ -54,8 +56,6 @@ class HFGenerate:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generation:
-        from transformers import GenerationConfig as HFConfig
-
         bb = self.backbone
         eos = sorted(bb.eos_token_ids)
         kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=not cfg.sampling.greedy,
@@ -91,7 +91,7 @@ class LlamaCpp:
     """llama-cpp-python on a GGUF file (plain decoding, 2 threads)."""
 
     def __init__(self, gguf: Path, backbone, n_ctx: int | None = None, threads: int = LLAMA_CPP_THREADS):
-        import llama_cpp
+        import llama_cpp  # optional peer: llama-cpp-python, only when it runs
 
         self.backbone = backbone
         n_ctx = n_ctx or int(getattr(backbone, "max_positions", 4096) or 4096)
@@ -124,7 +124,7 @@ class LlamaCpp:
 
 def llama_cpp_available() -> tuple[bool, str]:
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401  (optional peer: is it importable?)
     except Exception as exc:  # ImportError, or a broken native library
         return False, (f"llama.cpp skipped: the llama_cpp package is not importable ({type(exc).__name__}: "
                        f"{exc}); it is optional: build it for this CPU with "
@@ -157,8 +157,6 @@ def llama_cpp_decodes(gguf: Path, timeout: float = 120.0, code: str = _PROBE) ->
 
 def gguf_for(model_spec: str) -> Path | None:
     """The GGUF file behind a --model value, when there is one."""
-    from cadence.backbone import DEFAULT_MODEL, smollm2_gguf_path
-
     if model_spec == DEFAULT_MODEL:
         return smollm2_gguf_path()
     path = Path(model_spec).expanduser()

@@ -10,27 +10,26 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
 import platform
 import re
 from pathlib import Path
 
-from cadence.atomic import atomic_write, atomic_write_json
+import torch
+import transformers
+
 from cadence.bench import metrics as M
 from cadence.errors import CadenceError
+from cadence.system.atomic import atomic_write, atomic_write_json
+from cadence.system.machine import machine_info
 
 ALL = "all"  # the pseudo-task pooling every task
 
 
 def machine() -> dict:
     try:
-        from cadence.machine import machine_info
-
         return machine_info()
-    except ImportError:  # pragma: no cover - cadence.machine ships with the package
-        import os
-
-        import torch
-        import transformers
+    except ImportError:  # pragma: no cover - cadence.system.machine ships with the package
 
         return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                 "torch": torch.__version__, "transformers": transformers.__version__}
@@ -201,13 +200,13 @@ def _safe(name: str) -> str:
 def draw_plots(out: Path, summary: dict, records: list[dict], labels: list[str], tasks: list[str]) -> list[str]:
     """speedup.png, tau_hist.png and timeline-<task>.png; returns the file names written."""
     try:
-        import matplotlib
+        import matplotlib  # the bench extra: plots only
     except ImportError as exc:
         raise CadenceError("the bench plots need the package matplotlib (pip install 'cadence[bench]', "
                            "or pass --no-plots)") from exc
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend (above)
 
     written = []
     cols = [t for t in summary if summary[t]]

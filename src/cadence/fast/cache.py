@@ -57,7 +57,7 @@ class StaticKVCache:
         self._len += n
 
     def compact(self, past: int, keep: list[int]) -> None:
-        """Keep entries [0, past) and past + keep[i]; see ``cadence.kv_cache``."""
+        """Keep entries [0, past) and past + keep[i]; see ``cadence.backbone.kv_cache``."""
         m = len(keep)
         if past + m > self._len:
             raise CadenceError(f"compact past={past} keep={keep} beyond cache length {self._len}")
@@ -132,7 +132,7 @@ class BatchKVCache:
 
     @torch.inference_mode()
     def compact(self, slot: int, past: int, keep: list[int]) -> None:
-        """Row ``slot`` keeps entries [0, past) and past + keep[i] (see ``cadence.kv_cache``)."""
+        """Row ``slot`` keeps entries [0, past) and past + keep[i] (see ``cadence.backbone.kv_cache``)."""
         m = len(keep)
         if past + m > self.lengths[slot]:
             raise CadenceError(f"compact past={past} keep={keep} beyond row length {self.lengths[slot]}")

@@ -32,6 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
+
+from cadence.fast.kernels import Linear
 
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
 # whether ``--quant auto`` takes ``gguf`` where it can run (fp32: CPUs without native bf16): yes.
@@ -97,8 +100,6 @@ class GGUFWeights:
     ``gguf`` reader; a matrix used is copied out once)."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = str(path)
         self._tensors = {t.name: t for t in GGUFReader(self.path).tensors}
 
@@ -119,8 +120,6 @@ class GGUFWeights:
 
 def layer_types(path: str | Path) -> set[str]:
     """The formats of the decoder layers' matrices in the file at ``path`` (e.g. {"Q4_1"})."""
-    from gguf import GGUFReader
-
     return {t.tensor_type.name for t in GGUFReader(str(path)).tensors
             if t.name.startswith("blk.") and len(t.shape) == 2}
 
@@ -157,8 +156,6 @@ def build(ops, file: GGUFWeights, label: str, parts: list[tuple[str | None, torc
     weight (out_i, in) fp32) stacked in order. -> (``kernels.Linear`` of kind ``gguf``,
     ``Choice``). All parts in blocks of one type: their blocks, stacked; otherwise the stacked
     fp32 weights (type F32) through the same kernel."""
-    from cadence.fast.kernels import Linear
-
     k = parts[0][1].shape[1]
     blocks, qtypes, why = [], set(), ""
     for name, dense in parts:

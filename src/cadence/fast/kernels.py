@@ -44,7 +44,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from cadence.fast.cpu import has_amx, onednn_available
+from cadence.fast import native
+from cadence.fast.consistent import MAX_ROWS
+from cadence.system.machine import has_amx, onednn_available
 
 KINDS = ("auto", "amx", "onednn", "onednn-dense", "aten", "int8", "int4", "gguf")
 INT4_GROUP = 32  # input weights per scale/minimum pair (llama.cpp's Q4_1 blocks are 32 too)
@@ -77,8 +79,6 @@ def resolve_kind(kind: str, device: torch.device, dtype: torch.dtype) -> str:
 
 def _native():
     """The native extension (built on first use), or None where it is off or failed to build."""
-    from cadence.fast import native
-
     return native.module()
 
 
@@ -279,3 +279,29 @@ def dequantize_int4(packed: torch.Tensor, pairs: torch.Tensor, out: int, inp: in
     input), so it is exactly what the kernel multiplies by (up to the output rounding)."""
     eye = torch.eye(inp, dtype=pairs.dtype, device=packed.device)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, INT4_GROUP, pairs).T.contiguous()
+
+
+# the native layer loop's view of the weights (``fast.native``: ``linear.h``, ``layers.cpp``)
+KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3, "amx": 4, "amx-swiglu": 5, "gguf": 6}
+
+
+def linear_ints(lin, max_rows: int = 0) -> list[int]:
+    """A ``kernels.Linear``'s fields as the C++ ``Lin`` takes them (``linear.h``: kind, in,
+    out, min_rows, max_rows, group)."""
+    kind = KIND["amx-swiglu"] if getattr(lin, "swiglu", False) else KIND[lin.kind]
+    group = lin.qtype if lin.kind == "gguf" else INT4_GROUP  # gguf: the GGML type of its blocks
+    return [kind, lin.in_features, lin.out_features, lin.min_rows, max_rows, group]
+
+
+def build_layers(mod, bb):
+    """A ``Layers`` object holding ``bb``'s weights (references, no copies)."""
+    s = bb.spec
+    blockable = {id(lin) for lin in bb._blockable}  # blocks of MAX_ROWS rows in steady forwards
+    out = mod.Layers(s.heads, s.kv_heads, s.head_dim, float(s.eps), bool(s.qk_norm), bb.embed.weight.detach(),
+                     bb.final_norm)
+    for layer in bb._layers:
+        lins = [layer.qkv, layer.o, layer.gate_up, layer.down]
+        ints = [i for lin in lins for i in linear_ints(lin, MAX_ROWS if id(lin) in blockable else 0)]
+        out.add_layer(layer.ln1, layer.ln2, layer.q_norm, layer.k_norm, [lin.w for lin in lins],
+                      [lin.scale for lin in lins], [lin.bias for lin in lins], ints)
+    return out

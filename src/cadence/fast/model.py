@@ -31,60 +31,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cadence.backbone import Backbone, ForwardOut, check_taps
+from cadence.backbone.base import Backbone, ForwardOut, check_taps
 from cadence.errors import CadenceError
-from cadence.fast import QUANTS, arch, consistent, native, rope
+from cadence.fast import arch, consistent, gguf, native, rope
 from cadence.fast.cache import StaticKVCache
+from cadence.fast import kernels
 from cadence.fast.kernels import ROW_FREE, Linear, resolve_kind
+from cadence.fast.quant import resolve_quant
 from cadence.fast.rows import RowsForward
 
 LISTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)  # head sizes ``listed_attention`` has kernels for
-
-
-def check_quant(quant: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``--quant``: none, int8 or int4 (weight-only, CPU: lossy against the unquantized
-    model; speculative output is then compared with plain decoding of the same quantized model).
-    ``gguf`` and ``auto`` are resolved by ``resolve_quant``."""
-    if quant not in QUANTS:
-        raise CadenceError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANTS)}")
-    if quant != "none" and device.type != "cpu":
-        raise CadenceError(f"--quant {quant} runs on CPU only (weight-only {quant} through torch's CPU kernels)")
-    return quant
-
-
-def resolve_quant(quant: str, device: torch.device, dtype: torch.dtype, gguf_path) -> tuple[str, str]:
-    """(the quant that runs, why). ``gguf``: fp32 products on the GGUF file's own blocks
-    (``fast.gguf``; needs a CPU, fp32, a model loaded from a GGUF whose layers hold Q4_0, Q4_1,
-    Q8_0 or F16 matrices, and the native extension), an error where it cannot run. ``auto``:
-    ``gguf`` where it can run, else ``none`` (on a CPU with native bf16, ``--dtype auto`` is
-    bf16, whose AMX / oneDNN kernels were faster than this one on the AMX Xeon, so auto leaves
-    them be). Lossless relative to the file either way: both paths multiply by the file's
-    dequantized weights."""
-    if quant not in ("gguf", "auto"):
-        return check_quant(quant, device, dtype), ""
-    from cadence.fast import gguf
-
-    why_not = None
-    if device.type != "cpu":
-        why_not = "runs on CPU only"
-    elif dtype != torch.float32:
-        why_not = f"computes in float32 and the model is {str(dtype).replace('torch.', '')} (--dtype float32)"
-    elif gguf_path is None:
-        why_not = "needs a model loaded from a GGUF file"
-    elif native.module() is None:
-        why_not = "needs the native extension (CADENCE_NATIVE=0, or its build failed: cadence env)"
-    else:
-        types = gguf.layer_types(gguf_path)
-        if not any(t in gguf.BLOCK_TYPES.values() for t in types):
-            why_not = f"reads Q4_0, Q4_1, Q8_0 and F16 blocks; the file's layers are {', '.join(sorted(types))}"
-    if why_not is not None:
-        if quant == "gguf":
-            raise CadenceError(f"--quant gguf {why_not}")
-        return "none", f"auto: dense weights (--quant gguf {why_not})"
-    if quant == "auto" and not gguf.AUTO:
-        return "none", ("auto: dense fp32 weights (the gguf kernel measured slower than oneDNN's fp32 product at "
-                        "1 row on the AMX Xeon limited to AVX2; --quant gguf forces it)")
-    return "gguf", gguf.describe()
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,8 +90,6 @@ class FastBackbone(RowsForward, Backbone):
         self._gguf = None  # ``fast.gguf.GGUFWeights`` while building a ``gguf`` backbone
         self.gguf_report = None  # ``fast.gguf.Report``: what each matrix runs on (``gguf`` only)
         if self.quant == "gguf":
-            from cadence.fast import gguf
-
             self._gguf = gguf.GGUFWeights(gguf_path)
             self.gguf_report = gguf.Report(str(gguf_path))
         self._build()
@@ -214,8 +168,6 @@ class FastBackbone(RowsForward, Backbone):
         """The ``gguf`` Linear of ``modules`` from their GGUF tensors (``fast.gguf.build``:
         the file's blocks, or their fp32 weights through the same kernel), None where neither
         fits (an input size not a multiple of 32: the dense kernel runs)."""
-        from cadence.fast import gguf
-
         tensors = tensors or [None] * len(modules)
         label = "+".join(t.removesuffix(".weight") for t in tensors if t) or "?"
         parts = [(t, m.weight.detach().float()) for t, m in zip(tensors, modules)]
@@ -228,8 +180,6 @@ class FastBackbone(RowsForward, Backbone):
         """The LM head on the file's ``output`` tensor, or ``token_embd`` where the model ties them."""
         tied = self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
         name = "output.weight" if "output.weight" in self._gguf or not tied else "token_embd.weight"
-        from cadence.fast import gguf
-
         lin, choice = gguf.build(native.module(), self._gguf, name.removesuffix(".weight"),
                                  [(name, self.lm_head.weight.detach().float())], (), _bias(self.lm_head))
         self.gguf_report.choices.append(choice)
@@ -256,7 +206,6 @@ class FastBackbone(RowsForward, Backbone):
             self._hook = None
 
     def _build(self) -> None:
-        from cadence.fast.gguf import layer_tensor
 
         for i, block in enumerate(self.model.model.layers):
             at, mlp = block.self_attn, block.mlp
@@ -264,11 +213,11 @@ class FastBackbone(RowsForward, Backbone):
             layer.ln1 = block.input_layernorm.weight.detach()
             layer.ln2 = block.post_attention_layernorm.weight.detach()
             layer.qkv = self._fuse([at.q_proj, at.k_proj, at.v_proj],
-                                   tensors=[layer_tensor(i, n) for n in ("q_proj", "k_proj", "v_proj")])
-            layer.o = self._own(at.o_proj, layer_tensor(i, "o_proj"))
+                                   tensors=[gguf.layer_tensor(i, n) for n in ("q_proj", "k_proj", "v_proj")])
+            layer.o = self._own(at.o_proj, gguf.layer_tensor(i, "o_proj"))
             layer.gate_up = self._fuse([mlp.gate_proj, mlp.up_proj], swiglu=True,  # the gate in its epilogue where it can
-                                       tensors=[layer_tensor(i, "gate_proj"), layer_tensor(i, "up_proj")])
-            layer.down = self._own(mlp.down_proj, layer_tensor(i, "down_proj"))
+                                       tensors=[gguf.layer_tensor(i, "gate_proj"), gguf.layer_tensor(i, "up_proj")])
+            layer.down = self._own(mlp.down_proj, gguf.layer_tensor(i, "down_proj"))
             layer.q_norm = at.q_norm.weight.detach() if self.spec.qk_norm else None
             layer.k_norm = at.k_norm.weight.detach() if self.spec.qk_norm else None
             self._layers.append(layer)
@@ -527,7 +476,7 @@ class FastBackbone(RowsForward, Backbone):
         if self._native is None:
             mod = native.module()
             self._ops = mod
-            self._native = False if mod is None else native.build_layers(mod, self)
+            self._native = False if mod is None else kernels.build_layers(mod, self)
 
     def _fusable(self, x: torch.Tensor) -> bool:
         """Whether the fused kernels take x (CPU, fp32 or bf16; ``fusable`` in layers.cpp)."""

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from cadence.backbone import ForwardOut, check_taps
+from cadence.backbone.base import ForwardOut, check_taps
 from cadence.errors import CadenceError
 from cadence.fast import consistent
 from cadence.fast.cache import BatchKVCache

@@ -24,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from cadence.backbone.base import Backbone, resolve_dtype
 from cadence.errors import CadenceError
+from cadence.fast import arch
+from cadence.fast.model import FastBackbone
 
 SHAPES_DIR = Path(__file__).resolve().parents[1] / "assets" / "shapes"  # one folder per shape: config.json
 PREFIX = "shape:"  # ``shape:llama-3.2-1b`` names a shape where a benchmark takes a model spec
@@ -63,8 +67,6 @@ def config_path(name: str | Path) -> Path:
 
 def load_config(name: str | Path):
     """The transformers config of a shape."""
-    from transformers import AutoConfig
-
     path = config_path(name)
     try:
         return AutoConfig.from_pretrained(path.parent)
@@ -168,8 +170,6 @@ def random_model(config, dtype: torch.dtype = torch.bfloat16, seed: int = 0, dev
     ``device``, built on the meta device first (no fp32 copy, no second copy). Its EOS is
     cleared (``eos_token_id`` None): a random model's EOS means nothing, and decoding it runs
     for the tokens asked."""
-    from transformers import AutoModelForCausalLM
-
     device = torch.device(device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -191,10 +191,6 @@ def random_backbone(name: str | Path, dtype: str | torch.dtype = "bfloat16", see
     (``shape_names()``, a folder or a config.json). CadenceError, before anything is
     allocated, when the shape needs more memory than the machine has free (``memory_plan``;
     ``check_memory=False`` skips the check) or the fast path does not support it."""
-    from cadence.backbone import Backbone, resolve_dtype
-    from cadence.fast import arch
-    from cadence.fast.model import FastBackbone
-
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
     config = load_config(name)

@@ -3,7 +3,7 @@
 Knows: the block's arithmetic (RMSNorm, grouped-query attention with RoPE, SwiGLU),
 laid out with the parameter names of transformers' ``LlamaDecoderLayer`` (``self_attn.
 q_proj`` ..., ``mlp.gate_proj`` ..., ``input_layernorm``, ``post_attention_layernorm``) so
-that the weights load unchanged into a Llama layer (see ``cadence.export``); the three
+that the weights load unchanged into a Llama layer (see ``cadence.heads.export``); the three
 ways the heads attend: over a whole packed row (training, causal within a segment, any
 extra mask), over a drafter cache's rows (``KV``: committed entries, then a draft's own in
 scratch rows; drafting a tree level, in C++ where the extension is built), and EAGLE's
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.fast.kernels import Linear, resolve_kind
+from cadence.fast import native
+from cadence.fast.kernels import Linear, linear_ints, resolve_kind
 from cadence.heads.mtp import RMSNorm
 
 
@@ -265,8 +266,6 @@ def _native_block(block: Block, kern: dict | None):
     hit = _NATIVE.get(block)
     if hit is not None and hit[0] is kern:
         return hit[1]
-    from cadence.fast import native
-
     mod = native.module()
     made = None
     if mod is not None:
@@ -276,7 +275,7 @@ def _native_block(block: Block, kern: dict | None):
                               block.post_attention_layernorm.weight.detach())
         lins = [kern["qkv"], kern["o"], kern["gate_up"], kern["down"]]
         made.set_linears([lin.w for lin in lins], [lin.scale for lin in lins], [lin.bias for lin in lins],
-                         [i for lin in lins for i in native.linear_ints(lin)])
+                         [i for lin in lins for i in linear_ints(lin)])
     _NATIVE[block] = (kern, made)
     return made
 

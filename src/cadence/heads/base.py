@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from cadence.fast.kernels import Linear, resolve_kind
-from cadence.heads.policy import DraftPolicy
+from cadence.heads.tables import DraftPolicy
 
 
 @dataclass

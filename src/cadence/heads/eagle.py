@@ -21,7 +21,7 @@ no backbone states, so their tap slots are zeros (the drafter's own f stands in 
 in EAGLE-1). ``add_taps`` grows a trained drafter by zero columns, so it starts drafting
 exactly what it drafted. Decoding: the engine taps the same layers in every backbone forward
 (prefill and verify; the batched engine's ragged forward too) and commits [h ; taps] rows
-(``engine.drafter_states``); export to vLLM (whose ``llama_eagle`` has no such input) refuses
+(``decode.request.drafter_states``); export to vLLM (whose ``llama_eagle`` has no such input) refuses
 such drafters.
 
 Layout follows vLLM's ``llama_eagle`` (and SGLang's) so ``cadence export`` can hand the

@@ -16,7 +16,7 @@ sorted; exported as ``d2t`` = id - index and ``t2d`` = a bool mask over the targ
 Drafting (EAGLE-3's rule): a tree node at depth d >= 1 is the entry ``Layer([E(its token) ;
 f_parent])`` at position t + d: the drafter's own pre-norm output replaces the fused taps, so it
 drafts autoregressively to any depth. Committed entries (the request's context) read the
-backbone's taps, which the engine commits as [h ; taps] rows (``engine.drafter_states``); h
+backbone's taps, which the engine commits as [h ; taps] rows (``decode.request.drafter_states``); h
 itself is not read. Cache, tree masks, shadows and entry bookkeeping are ``EagleHeads``'
 (``eagle.EagleCache``, ``_Tree``): this class changes only what an entry is made of.
 

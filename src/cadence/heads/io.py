@@ -1,5 +1,5 @@
 """Create, save and load heads: ``heads.safetensors`` + ``config.json`` (+ ``draft_config.json``,
-the calibration: ``cadence.heads.policy``) in one directory."""
+the calibration: ``cadence.heads.tables``) in one directory."""
 
 from __future__ import annotations
 
@@ -9,23 +9,22 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
 from cadence.heads.base import DraftHeads, HeadConfig
-from cadence.heads.policy import load_policy, save_policy
+from cadence.heads.eagle import EagleHeads
+from cadence.heads.eagle3 import default_taps, Eagle3Heads
+from cadence.heads.hydra import HydraHeads
+from cadence.heads.medusa import MedusaHeads
+from cadence.heads.mtp import MTPHeads
+from cadence.heads.mtp_attn import MTPAttnHeads
+from cadence.heads.tables import load_policy, save_policy
+from cadence.system.atomic import atomic_write, atomic_write_json
 
 KINDS = ("medusa", "hydra", "mtp", "eagle", "eagle3", "mtp-attn")
 ATTENTION_KINDS = ("eagle", "eagle3", "mtp-attn")  # heads with their own KV cache over the request's context
 
 
 def head_class(kind: str) -> type[DraftHeads]:
-    from cadence.heads.hydra import HydraHeads
-    from cadence.heads.medusa import MedusaHeads
-    from cadence.heads.eagle import EagleHeads
-    from cadence.heads.eagle3 import Eagle3Heads
-    from cadence.heads.mtp import MTPHeads
-    from cadence.heads.mtp_attn import MTPAttnHeads
-
     table = {"medusa": MedusaHeads, "hydra": HydraHeads, "mtp": MTPHeads, "eagle": EagleHeads,
              "eagle3": Eagle3Heads, "mtp-attn": MTPAttnHeads}
     if kind not in table:
@@ -55,7 +54,6 @@ def new_heads(kind: str, backbone, num_heads: int = 3, random: bool = False, see
     if kind in ATTENTION_KINDS:
         extra = {**attention_shape(backbone), **extra}
     if kind == "eagle3" and not extra.get("taps"):  # low / mid / high, as vLLM and SGLang default
-        from cadence.heads.eagle3 import default_taps
         extra["taps"] = default_taps(int(backbone.config.num_hidden_layers))
     cfg = HeadConfig(kind=kind, num_heads=num_heads, hidden_size=backbone.hidden_size,
                      vocab_size=backbone.vocab_size, backbone=backbone.name, **extra)

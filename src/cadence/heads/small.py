@@ -26,10 +26,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
+from cadence.system.atomic import atomic_write, atomic_write_json
 
 CLP_FILE, CONF_FILE = "clp", "confidence"
 
@@ -95,8 +96,6 @@ class ConfidenceHead(nn.Module):
 
 def save_small(module: nn.Module, directory: str | Path, name: str, info: dict) -> Path:
     """Write ``name``.safetensors and ``name``.json (K, hidden size, params, ``info``)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     state = {k: v.detach().float().cpu().contiguous() for k, v in module.state_dict().items()}
     atomic_write(directory / f"{name}.safetensors", lambda tmp: save_file(state, str(tmp)))
@@ -109,8 +108,6 @@ def save_small(module: nn.Module, directory: str | Path, name: str, info: dict) 
 def load_small(path: str | Path, name: str, heads) -> nn.Module:
     """Load a CLP (``name="clp"``) or confidence head from its .safetensors (or the heads
     directory holding it) and check it fits ``heads``."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     if path.is_dir():
         path = path / f"{name}.safetensors"

@@ -7,16 +7,20 @@ import json
 import sys
 import time
 
+from cadence.backbone.load import load_backbone
 from cadence.cliargs import add_fields, from_args
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
+from cadence.pipo.config import PipoDecodeConfig, StudentConfig, TrainPipoConfig
+from cadence.pipo.decode import PipoDecoder
+from cadence.pipo.student import load_student
+from cadence.pipo.train import train_pipo
 
 LOSSY_NOTE = ("LOSSY: PIPO output is not plain decoding's (the prompt is read as compressed token pairs"
               "{pairs}); quality: docs/pipo.md")
 
 
 def register(sub) -> None:
-    from cadence.pipo.config import StudentConfig, TrainPipoConfig
-
     p = sub.add_parser("train-pipo", help="PIPO (LOSSY, opt-in): train the pair compressor, LoRA adapter, "
                                           "pair-out and confidence heads by on-policy distillation",
                        description="On-policy distillation of a PIPO student (compressor folding two input "
@@ -33,16 +37,10 @@ def register(sub) -> None:
 
 def add_generate_flags(p) -> None:
     """The --pipo flags of ``cadence generate`` (inert unless --pipo is given)."""
-    from cadence.pipo.config import PipoDecodeConfig
-
     add_fields(p, PipoDecodeConfig)
 
 
 def run_train_pipo(args) -> int:
-    from cadence.backbone import load_backbone
-    from cadence.pipo.config import StudentConfig, TrainPipoConfig
-    from cadence.pipo.train import train_pipo
-
     cfg = from_args(TrainPipoConfig, args)
     scfg = from_args(StudentConfig, args)
     # --bf16: the frozen backbone (teacher and student alike) is held in bfloat16, which halves the
@@ -58,12 +56,6 @@ def run_train_pipo(args) -> int:
 def run_generate(args, prompts: list[str]) -> int:
     """``cadence generate --pipo DIR``: PIPO decoding of each prompt (the speculative method flags
     do not apply)."""
-    from cadence.backbone import load_backbone
-    from cadence.engine import GenerationConfig
-    from cadence.pipo.config import PipoDecodeConfig
-    from cadence.pipo.decode import PipoDecoder
-    from cadence.pipo.student import load_student
-
     pcfg = from_args(PipoDecodeConfig, args)
     cfg = from_args(GenerationConfig, args)
     if args.compare:

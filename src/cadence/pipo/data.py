@@ -10,14 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from cadence.errors import CadenceError
+from cadence.training.data import iter_sequences, load_manifest, read_shard
 
 
 def load_pairs(data: str | Path, split: str, max_prompt: int, min_reply: int = 4,
                limit: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, teacher reply ids) of every sequence in ``split`` ("train" | "val") shards whose
     prompt has at most ``max_prompt`` tokens and whose reply at least ``min_reply``."""
-    from cadence.training.data import iter_sequences, load_manifest, read_shard
-
     root = Path(data)
     manifest = load_manifest(root)
     if not manifest or not manifest.get("shards"):

@@ -24,8 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
-from cadence.pipo.groups import PAIR, PLAIN, pack, prompt_groups
+from cadence.pipo.groups import pack, PAIR, PLAIN, prompt_groups
 
 
 @dataclass
@@ -69,8 +70,6 @@ class PipoDecoder:
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                  eos: set[int] | frozenset[int] = frozenset()) -> PipoResult:
-        from transformers import DynamicCache
-
         t0 = time.perf_counter()
         gen = torch.Generator(device="cpu").manual_seed(seed)
         s = self.s

@@ -18,8 +18,10 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from cadence.backbone.base import cache_kwarg
 from cadence.errors import CadenceError
 from cadence.pipo.config import StudentConfig
 
@@ -83,7 +85,7 @@ class PairConfidence(nn.Module):
 
 def _peft():
     try:
-        import peft
+        import peft  # optional: only PIPO needs it
     except ImportError as exc:
         raise CadenceError("PIPO needs the peft package: pip install 'peft>=0.21' (older peft does not import with transformers 5)") from exc
     return peft
@@ -104,7 +106,6 @@ class Student(nn.Module):
 
     def __init__(self, backbone, cfg: StudentConfig | None = None):
         super().__init__()
-        from cadence.backbone import cache_kwarg
 
         cfg = cfg or StudentConfig()
         base = _hf_model(backbone)
@@ -227,8 +228,6 @@ def _backbone_sig(backbone) -> dict:
 def save_student(student: Student, out: str | Path, meta: dict | None = None) -> Path:
     """Write ``out`` (replaced atomically): config.json (format, backbone, student config, meta)
     and pipo.safetensors (bfloat16)."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -257,8 +256,6 @@ def resolve_dir(spec: str) -> Path:
 
 def load_student(backbone, spec: str) -> tuple[Student, dict]:
     """Load a PIPO directory onto ``backbone``; CadenceError when it was trained for another model."""
-    from safetensors.torch import load_file
-
     path = resolve_dir(spec)
     try:
         cfg = json.loads((path / CONFIG).read_text())

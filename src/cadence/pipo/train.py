@@ -27,10 +27,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
+from transformers import DynamicCache
 
 from cadence.errors import CadenceError
 from cadence.pipo.config import StudentConfig, TrainPipoConfig
-from cadence.pipo.groups import PAIR, PLAIN, pack, pad_batch, prompt_groups, starts
+from cadence.pipo.data import load_pairs
+from cadence.pipo.groups import pack, pad_batch, PAIR, PLAIN, prompt_groups, starts
+from cadence.pipo.student import save_student, Student
+from cadence.system.atomic import atomic_write
+from cadence.training.run_files import (
+    CHECKPOINT, CKPT_FORMAT, load_checkpoint, LOG, Log, rng_state, set_rng_state, trim_log,
+)
 
 # ---------------------------------------------------------------- rollouts
 
@@ -43,7 +51,6 @@ def rollout(student, prompts: list[list[int]], pairs_rows: list[bool], max_reply
     s, dev = student, student.base.device
     packed = [pack(p, prompt_groups(len(p))) for p in prompts]
     ids, sizes, mask, pos = (t.to(dev) for t in pad_batch(packed, left=True))
-    from transformers import DynamicCache
 
     cache = DynamicCache(config=s.base.config)
     h = s.run(s.latents(ids, sizes), ((sizes == PAIR) & (mask == 1)).float(), cache, pos, mask)[:, -1]
@@ -193,9 +200,6 @@ class PipoRun:
     """One resumable ``cadence train-pipo`` run in ``cfg.out``."""
 
     def __init__(self, cfg: TrainPipoConfig, scfg: StudentConfig, backbone):
-        from cadence.pipo.data import load_pairs
-        from cadence.pipo.student import Student
-
         self.cfg, self.out = cfg, Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.backbone = backbone
@@ -210,8 +214,6 @@ class PipoRun:
         self._resume(scfg)
 
     def _resume(self, scfg: StudentConfig) -> None:
-        from cadence.training.run_files import CHECKPOINT, LOG, load_checkpoint, set_rng_state, trim_log
-
         path = self.out / CHECKPOINT
         if not path.exists():
             return
@@ -234,9 +236,6 @@ class PipoRun:
         print(f"cadence: resuming {self.out} at step {self.step}", flush=True)
 
     def save_checkpoint(self) -> None:
-        from cadence.atomic import atomic_write
-        from cadence.training.run_files import CHECKPOINT, CKPT_FORMAT, rng_state
-
         state = {"format": CKPT_FORMAT, "kind": "pipo", "step": self.step, "tokens": self.tokens,
                     "seconds": self.seconds, "config": self.cfg.to_dict(),
                     "student_config": self.student.cfg.to_dict(),
@@ -294,11 +293,6 @@ class PipoRun:
                 "step_s": round(dt, 2)}
 
     def loop(self) -> dict:
-        from tqdm import tqdm
-
-        from cadence.pipo.student import save_student
-        from cadence.training.run_files import LOG, Log
-
         cfg, log = self.cfg, Log(self.out / LOG, True)
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train-pipo", unit="step", disable=not cfg.progress)
         metrics: dict = {}

@@ -1,6 +1,3 @@
-"""Schedulers choose each step's plan (choose) and learn from its outcome (observe)."""
-
-from cadence.schedulers.base import Plan, Scheduler, SchedulerFactory, StepInfo, StepState
-from cadence.schedulers.static import StaticScheduler
-
-__all__ = ["Plan", "Scheduler", "SchedulerFactory", "StepInfo", "StepState", "StaticScheduler"]
+"""--scheduler NAME: how much to speculate each step. ``base`` is the interface a scheduler
+implements (``choose`` a plan, ``observe`` its outcome) and registers through; ``registry`` finds
+them by name."""

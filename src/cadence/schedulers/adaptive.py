@@ -58,11 +58,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadence.schedulers.base import Plan, StepInfo, StepState
-from cadence.schedulers.registry import register
-from cadence.schedulers.step_costs import StepCosts
-from cadence.tree_policy import step_seconds
-from cadence.trees import CompiledTree, chain, compile_tree, grow_tree, node_values
+from cadence.schedulers.base import Plan, StepInfo, StepState, register
+from cadence.schedulers.static import StaticScheduler
+from cadence.costs.step_costs import StepCosts
+from cadence.costs.tree_choice import step_seconds
+from cadence.trees.budget import AUTO_NODES
+from cadence.trees.tree import CompiledTree, chain, compile_tree, grow_tree, node_values
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Candidate:
 SCALES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5)  # acceptance levels planned for
 
 
-def frontier(table, latency, draft_s: float, num_heads: int, max_depth: int, max_budget: int = 63,
+def frontier(table, latency, draft_s: float, num_heads: int, max_depth: int, max_budget: int = AUTO_NODES - 1,
              suffix: str = "") -> list[Candidate]:
     """The root alone plus, for each acceptance level s in ``SCALES`` (the calibrated table
     with every depth's acceptance scaled by s), the greedy growth of highest expected
@@ -241,7 +242,6 @@ def _builder(make_candidates):
         def factory(sampling):
             table, depth, suffix = _tables(ctx, sampling)
             if table is None or ctx.policy.latency is None:  # uncalibrated heads: static tree
-                from cadence.schedulers.static import StaticScheduler
                 return StaticScheduler(ctx.policy.tree_for(sampling))
             key = (suffix, depth)
             if key not in cache:
@@ -252,9 +252,9 @@ def _builder(make_candidates):
     return build
 
 
-register("adaptive", lossy=False,
-         help="each step the tree of highest expected tokens/s under the acceptance seen so far in "
-              "the request (calibrated table x this machine's verify latency; lossless)")(
+build_adaptive = register("adaptive", lossy=False,
+                          help="each step the tree of highest expected tokens/s under the acceptance seen so far in "
+                               "the request (calibrated table x this machine's verify latency; lossless)")(
     _builder(lambda ctx, table, depth, suffix: frontier(
         table, ctx.policy.latency, ctx.policy.draft_s, ctx.heads.K, depth, suffix=suffix)))
 

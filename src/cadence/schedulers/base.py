@@ -16,8 +16,13 @@ from typing import Callable, Protocol
 
 import torch
 
-from cadence.sampling import SamplingParams, entropy
-from cadence.trees import CompiledTree
+from cadence.backbone.base import Backbone
+from cadence.costs.tree_choice import TreePolicy
+from cadence.draft.grow import DynamicTree
+from cadence.draft.head_drafter import HeadDrafter
+from cadence.heads.base import DraftHeads
+from cadence.trees.tree import CompiledTree
+from cadence.verify.sampling import SamplingParams, entropy
 
 
 @dataclass
@@ -48,7 +53,7 @@ class Plan:
     #                       never committed; whether it would have been accepted comes back in StepInfo.shadows
     shadow_batch: int = 1  # head-drafted shadows wait until this many are pending, then run as one head
     #                        call (cheaper per shadow, verdicts later); context copies are judged at once
-    dynamic: object = None  # a ``dynamic_tree.DynamicTree``: at T = 0 the drafter grows the step's tree from its
+    dynamic: DynamicTree | None = None  # a ``draft.grow.DynamicTree``: at T = 0 the drafter grows the step's tree from its
     #                         own confidence (EAGLE-2) instead of filling ``tree`` (lossless: verification is unchanged)
 
 
@@ -80,3 +85,40 @@ class Scheduler(Protocol):
 
 
 SchedulerFactory = Callable[[SamplingParams], Scheduler]
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A scheduler without settings of its own."""
+
+
+@dataclass
+class SchedulerContext:
+    """What a scheduler builder may use."""
+
+    backbone: Backbone  # the frozen LM (fast or transformers)
+    heads: DraftHeads  # the draft heads (``heads.policy`` holds calibration tables)
+    drafter: HeadDrafter  # fills and grows the heads' trees
+    policy: TreePolicy  # ``--tree`` resolved per request (latency curve, draft cost, tables)
+    options: object  # the scheduler's own options (an instance of its ``SchedulerEntry.options``)
+    heads_source: str = "default"  # where the heads came from (--heads): small heads are looked up beside them
+    method: str = ""  # the head family (--method), to find the shipped small heads
+
+
+@dataclass(frozen=True)
+class SchedulerEntry:
+    build: Callable[[SchedulerContext], SchedulerFactory]
+    lossy: bool  # may commit drafts without verification
+    help: str  # one line for --help and reports
+    options: type = NoOptions  # the dataclass of its settings (CLI flags and method-name options derive from it)
+
+
+SCHEDULERS: dict[str, SchedulerEntry] = {}
+
+
+def register(name: str, lossy: bool, help: str, options: type = None):
+    """Register ``build`` as scheduler ``name`` (called by each scheduler module at import)."""
+    def deco(build):
+        SCHEDULERS[name] = SchedulerEntry(build, lossy, help, options or NoOptions)
+        return build
+    return deco

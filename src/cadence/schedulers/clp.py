@@ -22,12 +22,22 @@ it with ``cadence train-clp``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cadence.errors import CadenceError
-from cadence.schedulers.base import Plan, StepInfo, StepState
-from cadence.schedulers.registry import register
-from cadence.trees import chain, compile_tree
+from cadence.heads.shipped import heads_path, shipped_heads_dir
+from cadence.heads.small import CLP_FILE, load_small
+from cadence.schedulers.base import Plan, StepInfo, StepState, register
+from cadence.trees.tree import chain, compile_tree
+
+
+@dataclass(frozen=True)
+class CLPOptions:
+    """Settings of ``clp`` and ``clp-unverified``; CLI flags and method-name options derive from them."""
+
+    clp: str = field(default="", metadata={"help": "clp schedulers: path of the trained CLP (default: beside the heads)"})
+
 
 ROOT = compile_tree([], name="root")
 
@@ -52,34 +62,29 @@ def small_head_path(ctx, explicit: str, name: str) -> Path:
     """``explicit`` if given, else ``name``.safetensors beside the heads' directory."""
     if explicit:
         return Path(explicit)
-    spec = ctx.spec
-    if spec.heads == "random":
+    if ctx.heads_source == "random":
         raise CadenceError(f"--heads random has no trained {name} head; pass its path (--{name} PATH)")
-    if spec.heads == "default":
-        from cadence.methods import shipped_heads_dir
-
-        folder = shipped_heads_dir(ctx.backbone, spec.method.value)
+    if ctx.heads_source == "default":
+        folder = shipped_heads_dir(ctx.backbone, ctx.method)
         if folder is None:
-            raise CadenceError(f"no {spec.method.value} heads are shipped for {ctx.backbone.name}")
+            raise CadenceError(f"no {ctx.method} heads are shipped for {ctx.backbone.name}")
         return folder / f"{name}.safetensors"
-    return Path(spec.heads) / f"{name}.safetensors"
+    return heads_path(ctx.backbone, ctx.heads_source) / f"{name}.safetensors"
 
 
 def _load_clp(ctx):
-    from cadence.heads.small import CLP_FILE, load_small
-
-    clp = load_small(small_head_path(ctx, ctx.spec.clp, CLP_FILE), CLP_FILE, ctx.heads)
+    clp = load_small(small_head_path(ctx, ctx.options.clp, CLP_FILE), CLP_FILE, ctx.heads)
     return clp.to(ctx.backbone.device)
 
 
-@register("clp", lossy=False, help="collocation-length predictor sets each step's chain length 0..K "
+@register("clp", lossy=False, options=CLPOptions, help="collocation-length predictor sets each step's chain length 0..K "
                                    "(verified, lossless; needs `cadence train-clp`)")
 def build_clp(ctx):
     clp, K = _load_clp(ctx), ctx.heads.K
     return lambda sampling: ClpScheduler(clp, K, verify=True)
 
 
-@register("clp-unverified", lossy=True, help="LOSSY: commits the CLP-predicted span of drafts WITHOUT "
+@register("clp-unverified", lossy=True, options=CLPOptions, help="LOSSY: commits the CLP-predicted span of drafts WITHOUT "
                                               "verification (the CLP paper's mode; opt-in)")
 def build_clp_unverified(ctx):
     clp, K = _load_clp(ctx), ctx.heads.K

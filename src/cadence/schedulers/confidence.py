@@ -25,13 +25,26 @@ verified steps (a lossless fallback), unless the state carries ``root``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from cadence.sampling import argmax
-from cadence.schedulers.base import Plan, StepInfo, StepState
+from cadence.heads.small import CONF_FILE, load_small
+from cadence.schedulers.base import Plan, StepInfo, StepState, register
 from cadence.schedulers.clp import small_head_path
-from cadence.schedulers.registry import register
-from cadence.trees import chain, compile_tree
+from cadence.trees.tree import chain, compile_tree
+from cadence.verify.sampling import argmax
+
+
+@dataclass(frozen=True)
+class ConfidenceOptions:
+    """Settings of ``confidence``; CLI flags and method-name options derive from them."""
+
+    confidence: str = field(default="", metadata={
+        "help": "confidence scheduler: path of the trained confidence head (default: beside the heads)"})
+    threshold: float = field(default=0.95, metadata={
+        "help": "confidence scheduler: commit drafts above this confidence unverified (lossy)"})
+
 
 
 class ConfidenceScheduler:
@@ -85,14 +98,12 @@ class ConfidenceScheduler:
         pass
 
 
-@register("confidence", lossy=True, help="LOSSY: a confidence head (`cadence train-confidence`) commits "
+@register("confidence", lossy=True, options=ConfidenceOptions, help="LOSSY: a confidence head (`cadence train-confidence`) commits "
                                           "the heads' chain WITHOUT verification when every draft passes "
                                           "--threshold; other steps verify the --tree plan (opt-in)")
 def build_confidence(ctx):
-    from cadence.heads.small import CONF_FILE, load_small
-
-    head = load_small(small_head_path(ctx, ctx.spec.confidence, CONF_FILE), CONF_FILE, ctx.heads)
+    head = load_small(small_head_path(ctx, ctx.options.confidence, CONF_FILE), CONF_FILE, ctx.heads)
     head = head.to(ctx.backbone.device)
-    policy, threshold = ctx.policy, ctx.spec.threshold
+    policy, threshold = ctx.policy, ctx.options.threshold
     return lambda sampling: ConfidenceScheduler(ctx.heads, head, Plan(policy.tree_for(sampling)), ctx.drafter,
                                                 threshold)

@@ -1,13 +1,13 @@
 """EntMTP: switch among trees calibrated per entropy bin, following a running estimate of
 the backbone's entropy at the committed roots (docs/methods.md section 5).
 
-Knows: the profile's bin edges and per-bin acceptance tables (``cadence.profiles``), this
+Knows: the profile's bin edges and per-bin acceptance tables (``cadence.heads.profiles``), this
 machine's verify latency, a bias-corrected EMA of the root entropy (W = 8, reset per
 request), and hysteresis. Does not know how trees are drafted or verified: it only picks
 which tree is drafted, so it is lossless under every lossless rule.
 
 Per bin, the tree is the one of highest expected tokens/s under that bin's table
-(``tree_policy.best_tree``; the root alone when nothing pays). The estimate moves to a
+(``tree_choice.best_tree``; the root alone when nothing pays). The estimate moves to a
 new bin only when it is past the bin's edge by ``hysteresis`` (in nats), so noise inside
 a bin, or at its edge, does not flip the tree every step.
 
@@ -17,12 +17,24 @@ bin 1 (not past 1.6); then 1.7: bin 2.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from cadence.errors import CadenceError
-from cadence.profiles import Profile, load_profiles
-from cadence.schedulers.base import Plan, StepInfo, StepState
-from cadence.schedulers.registry import register
-from cadence.tree_policy import best_tree
-from cadence.trees import CompiledTree, compile_tree
+from cadence.heads.profiles import Profile, load_profiles
+from cadence.schedulers.base import Plan, StepInfo, StepState, register
+from cadence.costs.tree_choice import best_tree
+from cadence.trees.tree import CompiledTree, compile_tree
+
+
+@dataclass(frozen=True)
+class EntMTPOptions:
+    """Settings of ``entmtp`` and ``entmtp-adaptive``; CLI flags and method-name options derive from them."""
+
+    profile: str = field(default="general", metadata={
+        "help": "entmtp: acceptance profile (general | humaneval | gsm8k | sharegpt | writing)"})
+    ent_window: int = field(default=1, metadata={
+        "help": "entmtp-adaptive: steps of root entropy averaged to pick the bin (1 = the current root)"})
+
 
 
 class EntropyEMA:
@@ -92,7 +104,7 @@ def profile_for(ctx, scheduler: str) -> Profile:
     such task, no latency curve: heads without acceptance tables)."""
     heads_dir = getattr(ctx.heads, "source_dir", None)
     profiles = load_profiles(heads_dir)
-    name = ctx.spec.profile
+    name = ctx.options.profile
     if name not in profiles:
         raise CadenceError(f"no {name!r} acceptance profile for these heads ({heads_dir or 'random heads'}): "
                            f"run `cadence calibrate --heads DIR` (profiles there: {', '.join(profiles) or 'none'})")
@@ -101,7 +113,7 @@ def profile_for(ctx, scheduler: str) -> Profile:
     return profiles[name]
 
 
-@register("entmtp", lossy=False,
+@register("entmtp", lossy=False, options=EntMTPOptions,
           help="entropy-guided switching among trees calibrated per entropy bin (--profile TASK; "
                "needs profiles.json from `cadence calibrate`; lossless)")
 def build_entmtp(ctx):

@@ -1,6 +1,6 @@
 """``entmtp-adaptive``: EntMTP's entropy-binned acceptance tables inside the adaptive
 scheduler. Each step the backbone's entropy at the root picks a bin of the profile
-(``cadence.profiles``); the candidates are that bin's frontier of trees, valued with the
+(``cadence.heads.profiles``); the candidates are that bin's frontier of trees, valued with the
 bin's table times this request's learned factors (``adaptive``), with shadow drafts and
 observed step costs as there.
 
@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from cadence.errors import CadenceError
 from cadence.schedulers.adaptive import AdaptiveScheduler, Candidate, frontier
-from cadence.schedulers.base import Plan, StepState
-from cadence.schedulers.entmtp import EntropyEMA, profile_for
-from cadence.schedulers.registry import register
-from cadence.schedulers.step_costs import StepCosts
+from cadence.schedulers.base import Plan, StepState, register
+from cadence.schedulers.entmtp import EntMTPOptions, EntropyEMA, profile_for
+from cadence.costs.step_costs import StepCosts
 
 
 class BinnedAdaptiveScheduler(AdaptiveScheduler):
@@ -53,13 +52,13 @@ class BinnedAdaptiveScheduler(AdaptiveScheduler):
         return super().choose(state)
 
 
-@register("entmtp-adaptive", lossy=False,
+@register("entmtp-adaptive", lossy=False, options=EntMTPOptions,
           help="the adaptive scheduler on EntMTP's entropy-binned tables: each step the root's "
                "entropy picks the bin, the bin's trees are valued with the acceptance seen so far "
                "in the request (--profile TASK; lossless)")
 def build(ctx):
-    if ctx.spec.ent_window < 1:
-        raise CadenceError(f"--ent-window must be >= 1, got {ctx.spec.ent_window}")
+    if ctx.options.ent_window < 1:
+        raise CadenceError(f"--ent-window must be >= 1, got {ctx.options.ent_window}")
     profile, cache, costs = profile_for(ctx, "entmtp-adaptive"), {}, StepCosts()
 
     def factory(sampling):
@@ -72,5 +71,5 @@ def build(ctx):
                                               suffix=f"{suffix}@b{i}") for i, t in enumerate(tables)]
         shadow_qs = [t[0][0] for t in tables] if sampling.greedy else None
         return BinnedAdaptiveScheduler(profile.edges, cache[copying, depth], shadow_qs,
-                                       window=ctx.spec.ent_window, margin=ctx.policy.margin, costs=costs)
+                                       window=ctx.options.ent_window, margin=ctx.policy.margin, costs=costs)
     return factory

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from cadence.schedulers.base import Plan, StepInfo, StepState
-from cadence.schedulers.registry import register
-from cadence.trees import CompiledTree, compile_tree, preset
+from cadence.schedulers.base import Plan, StepInfo, StepState, register
+from cadence.trees.tree import CompiledTree, compile_tree, preset
 
 
 class StaticScheduler:

@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cadence.batch.api import Event, MultiEngine
-from cadence.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import MethodSpec
 from cadence.server import protocol as P

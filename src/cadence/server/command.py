@@ -11,28 +11,29 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import sys
 
+from cadence.backbone.load import add_model_args, load_backbone
+from cadence.batch.serial import SerialEngine
 from cadence.cliargs import add_fields, from_args
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
+from cadence.methods import MethodSpec, add_method_flags, make_engine
 from cadence.server.config import Batching, NarrowFlags, ServeConfig
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def register(subparsers) -> None:
-    from cadence.cli import _add_model_args
-    from cadence.engine import GenerationConfig
-    from cadence.methods import MethodSpec
-
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
         description="Serve the model with speculative decoding behind an OpenAI-compatible API. "
                     "Generation flags set the defaults of requests that do not say otherwise.")
-    _add_model_args(p)
+    add_model_args(p)
     add_fields(p, ServeConfig)
     add_fields(p, NarrowFlags)
-    add_fields(p, MethodSpec)
+    add_method_flags(p)
     add_fields(p, GenerationConfig, exclude=("seed",),  # a request without seed gets a fresh one
                defaults={"temperature": 1.0, "max_new_tokens": 256})
     p.set_defaults(func=run)
@@ -50,7 +51,7 @@ def multi_engine(engine, batching: Batching, max_batch: int, narrow: NarrowFlags
     if batching is Batching.SERIAL:
         return _serial(engine, max_batch, narrow)
     try:
-        from cadence.batch.engine import BatchEngine
+        from cadence.batch.engine import BatchEngine  # an install may lack it (auto falls back to serial)
     except ImportError as exc:
         if batching is Batching.AUTO:
             return _serial(engine, max_batch, narrow)
@@ -66,8 +67,6 @@ def multi_engine(engine, batching: Batching, max_batch: int, narrow: NarrowFlags
 
 
 def _serial(engine, max_batch: int, narrow: NarrowFlags):
-    from cadence.batch.serial import SerialEngine
-
     if not narrow.is_default:
         print("cadence: note: --narrow-* flags apply to the batched engine only; this server runs "
               "requests in turn (SerialEngine), so they are ignored", file=sys.stderr, flush=True)
@@ -83,14 +82,11 @@ def _need_extra() -> None:
 def build(args: argparse.Namespace):
     """(app, ServeConfig) from parsed flags: model, engine, app; nothing listens yet."""
     _need_extra()
-    from cadence.backbone import load_backbone
-    from cadence.engine import GenerationConfig
-    from cadence.methods import MethodSpec, make_engine
-    from cadence.server.app import AppSettings, create_app
+    from cadence.server.app import AppSettings, create_app  # the serve extra (fastapi), checked just above
 
     conf = from_args(ServeConfig, args)
     narrow = from_args(NarrowFlags, args)
-    spec = from_args(MethodSpec, args)
+    spec = MethodSpec.from_args(args)
     defaults = from_args(GenerationConfig, args)  # validated now: bad defaults exit 2
     backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant)
     engine = make_engine(backbone, spec)
@@ -105,10 +101,8 @@ def build(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
     _need_extra()
-    from cadence.server.runner import listen, make_server
+    from cadence.server.runner import listen, make_server  # the serve extra (uvicorn), checked just above
 
     conf = from_args(ServeConfig, args)
     from_args(NarrowFlags, args)  # bad flags fail now, before the model loads

@@ -18,22 +18,23 @@ import re
 import secrets
 from collections import OrderedDict
 
-from cadence.engine import Engine, GenerationConfig
+from cadence.decode.engine import Engine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.methods import MethodSpec, resolve_scheduler_name
-from cadence.sampling import SamplingParams
+from cadence.methods import MethodSpec, resolve_scheduler_name, scheduler_context
+from cadence.verify.sampling import SamplingParams
 from cadence.schedulers import registry
 from cadence.schedulers.base import SchedulerFactory
-from cadence.schedulers.registry import SchedulerContext
 from cadence.server.protocol import (
     ApiError,
     CadenceOptions,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from cadence.tree_policy import MAX_BUDGET, TreePolicy
+from cadence.costs.tree_choice import TreePolicy
+from cadence.trees.budget import AUTO_NODES
 
-FACTORY_CACHE = 32  # scheduler factories kept per (scheduler, tree)
+FACTORY_CACHE = 32  # scheduler factories kept per method name (scheduler, tree, options)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -123,16 +124,27 @@ class Schedulers:
 
     def factory(self, opts: CadenceOptions | None) -> SchedulerFactory | None:
         """None when the request keeps the server's scheduler and tree."""
-        if opts is None or (opts.scheduler is None and opts.tree is None):
+        if opts is None or (opts.scheduler is None and opts.tree is None and opts.method is None):
             return None
-        param = "cadence.scheduler" if opts.scheduler is not None else "cadence.tree"
+        param = ("cadence.method" if opts.method is not None else
+                 "cadence.scheduler" if opts.scheduler is not None else "cadence.tree")
         base = getattr(self.engine, "tree_policy", None)
         if self.engine.drafter is None or base is None or self.spec is None:
             raise bad("this server decodes without draft heads (or its engine was not built by "
-                      "make_engine): cadence.scheduler and cadence.tree cannot be chosen", param)
-        spec = dataclasses.replace(self.spec, scheduler=opts.scheduler or self.spec.scheduler,
-                                   tree=opts.tree or self.spec.tree)
-        key = (spec.scheduler, spec.tree)
+                      "make_engine): cadence.method, cadence.scheduler and cadence.tree cannot be chosen", param)
+        spec = self.spec
+        if opts.method is not None:
+            try:
+                spec = MethodSpec.parse(opts.method, self.spec)
+            except CadenceError as exc:
+                raise bad(str(exc), "cadence.method") from exc
+            if (spec.method, spec.heads, spec.copy, spec.context_vocab) != (
+                    self.spec.method, self.spec.heads, self.spec.copy, self.spec.context_vocab):
+                raise bad(f"cadence.method {opts.method!r} changes the heads or the drafter; this server decodes "
+                          f"{self.spec.format()} (a request may choose the tree, the scheduler and their options)",
+                          "cadence.method")
+        spec = dataclasses.replace(spec, scheduler=opts.scheduler or spec.scheduler, tree=opts.tree or spec.tree)
+        key = spec.format()
         if key not in self._cache:
             self._cache[key] = self._build(spec, base)
             while len(self._cache) > FACTORY_CACHE:
@@ -144,8 +156,8 @@ class Schedulers:
         engine, drafter = self.engine, self.engine.drafter
         heads = drafter.heads
         size = spec.tree[len("auto-"):] if spec.tree.startswith("auto-") else ""
-        if size.isdigit() and int(size) > MAX_BUDGET + 1:
-            raise bad(f"tree {spec.tree!r}: at most auto-{MAX_BUDGET + 1}", "cadence.tree")
+        if size.isdigit() and int(size) > AUTO_NODES:
+            raise bad(f"tree {spec.tree!r}: at most auto-{AUTO_NODES}", "cadence.tree")
         try:
             name = resolve_scheduler_name(spec, heads)
             entry = registry.entry(name)
@@ -158,6 +170,6 @@ class Schedulers:
                             margin=base.margin, chains_only=getattr(engine.backbone, "chains_only", False))
         try:
             policy.tree_for(SamplingParams())  # a bad tree name fails here, not mid-request
-            return entry.build(SchedulerContext(engine.backbone, heads, drafter, policy, spec))
+            return entry.build(scheduler_context(engine.backbone, heads, drafter, policy, spec, name))
         except CadenceError as exc:
             raise bad(str(exc), "cadence.tree" if "tree" in str(exc) else "cadence.scheduler") from exc

@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cadence.verify import Rule
+from cadence.verify.rules import Rule
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters per stop string (the detokenizer holds back up to this much text)
@@ -86,6 +86,9 @@ class CadenceOptions(_Strict):
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
+    method: str | None = Field(None, description="a method name as `cadence generate --method` reads it "
+                               "(MethodSpec.parse: METHOD[:TREE][+SCHEDULER][,NAME=VALUE]...), over the "
+                               "server's; it may choose the tree, the scheduler and their options, not the heads")
     scheduler: str | None = Field(None, description="a name from cadence.schedulers.registry, or auto")
     tree: str | None = Field(None, description="--tree: auto, auto-N or a preset (root, chain-D, tree-N)")
     rule: Rule | None = Field(None, description="verification rule: auto, greedy, speculative, typical, relaxed")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from cadence.batch.api import Event, MultiEngine
 from cadence.server.metrics import Metrics
-from cadence.threads import release_openmp_pool
+from cadence.system.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Worker:
     # ---------------------------------------------------------------- event-loop side
 
     def start(self) -> None:
-        release_openmp_pool()  # else the worker's forwards run at one core's speed (``cadence.threads``)
+        release_openmp_pool()  # else the worker's forwards run at one core's speed (``cadence.system.threads``)
         self._thread.start()
 
     @property

@@ -5,13 +5,13 @@ Knows: the cache root (``$CADENCE_CACHE`` or ``~/.cache/cadence``) and its layou
   by a digest of the GGUF's *bytes*, so two paths to one file (two clones, two virtual
   environments) share one copy. ``gguf-index.json`` remembers the digest of each
   (path, size, mtime) seen, so a load hashes a file once, not every time;
-- ``latency/``: verify-latency curves per machine and build (``cadence.latency``,
+- ``latency/``: verify-latency curves per machine and build (``cadence.costs.latency``,
   ``cadence.batch.narrow``);
 - the native kernels' build directories under torch's extension root
   (``cadence_layers_<digest>``, ``cadence.fast.native``);
 - temporary ``*.tmp<pid>`` entries of conversions still running, removed once their process
   is gone (``sweep_dead_temps``).
-Does not know: how to convert a model (``cadence.backbone``) or build a kernel
+Does not know: how to convert a model (``cadence.backbone.load``) or build a kernel
 (``cadence.fast.native``); it only names, measures and removes their files.
 """
 
@@ -25,7 +25,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from cadence.atomic import atomic_write_json
+from torch.utils.cpp_extension import get_default_build_root
+
+from cadence.system.atomic import atomic_write_json
 from cadence.system.locks import holder
 
 KINDS = ("models", "kernels", "latency")  # what ``cadence cache --clear KIND`` selects
@@ -50,7 +52,6 @@ def kernels_root() -> Path:
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     if env:
         return Path(env)
-    from torch.utils.cpp_extension import get_default_build_root
 
     return Path(get_default_build_root())
 

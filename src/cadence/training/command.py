@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 import sys
 
+import torch.distributed as dist
+from accelerate import PartialState
+
 from cadence.cliargs import add_fields, from_args
+from cadence.errors import CadenceError
+from cadence.training.data import DistillConfig, merge_datasets, run_distill
+from cadence.training.train_config import TrainConfig
+from cadence.training.trainer import train
 
 
 def register(sub) -> None:
-    from cadence.training.data import DistillConfig
-    from cadence.training.train_config import TrainConfig
-
     p = sub.add_parser("distill", help="self-distillation data: the backbone answers training prompts",
                        description="Append self-distilled shards to a store (default "
                                    "data/selfdistill/smollm2): prompts the store already holds are "
@@ -39,8 +43,6 @@ def register(sub) -> None:
 
 
 def run_distill_command(args) -> int:
-    from cadence.training.data import DistillConfig, run_distill
-
     cfg = from_args(DistillConfig, args)
     manifest = run_distill(cfg)
     n_seq = sum(s["sequences"] for s in manifest["shards"])
@@ -53,9 +55,6 @@ def run_distill_command(args) -> int:
 
 
 def run_merge_command(args) -> int:
-    from cadence.errors import CadenceError
-    from cadence.training.data import merge_datasets
-
     sources = []
     for spec in args.sources:
         path, _, limit = spec.partition(":")
@@ -72,20 +71,15 @@ def run_merge_command(args) -> int:
 def _leave_process_group() -> None:
     """End a multi-process run cleanly: every rank waits, then the process group is torn down
     before the interpreter exits (gloo's threads alive at exit can abort a rank)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 def run_train_command(args) -> int:
-    from cadence.training.trainer import TrainConfig, train
-
     cfg = from_args(TrainConfig, args)
     result = train(cfg)
     try:
-        from accelerate import PartialState
         main = PartialState().is_main_process
     except Exception:  # pragma: no cover
         main = True

@@ -37,9 +37,14 @@ from typing import Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.backbone.load import load_backbone
+from cadence.batch.engine import BatchEngine
+from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.prompts import PromptItem, held_out, item_hash
+from cadence.prompts import held_out, item_hash, PromptItem
+from cadence.system.atomic import atomic_write, atomic_write_json
+from cadence.training.sources import mixed_items
+from cadence.training.store import read_store_shard, Store
 
 VAL_PERCENT = 3  # share of distilled sequences kept for the trainer's held-out evaluation
 MANIFEST = "manifest.json"
@@ -127,8 +132,6 @@ def read_shard(path: str | Path) -> dict:
     tensors; raise CadenceError if it is missing or unreadable."""
     path = Path(path)
     if path.suffix == ".npz" or (path.is_symlink() and path.resolve().suffix == ".npz"):
-        from cadence.training.store import read_store_shard
-
         return read_store_shard(path)
     if not path.is_file():
         raise CadenceError(f"shard {path} is missing")
@@ -167,9 +170,6 @@ def iter_sequences(data: dict) -> Iterator[tuple[torch.Tensor, int]]:
 def batched_replies(backbone, prompts: list[list[int]], cfg: DistillConfig) -> list[list[int]]:
     """Greedy replies (EOS included) through ``BatchEngine``: continuous batching over at most
     ``cfg.batch_size`` rows, each row decoding exactly as it would alone (vanilla, no heads)."""
-    from cadence.batch.engine import BatchEngine
-    from cadence.engine import GenerationConfig
-
     engine = BatchEngine(backbone, max_batch=cfg.batch_size)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)
     rids = [engine.add(p, gen) for p in prompts]
@@ -262,9 +262,6 @@ def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
     have passed, and on SIGTERM / Ctrl-C (finished sequences are kept; the batch being
     generated is lost and its prompts are answered by the next run).
     """
-    from cadence.training.sources import mixed_items
-    from cadence.training.store import Store
-
     if cfg.mode not in ("generate", "reference"):
         raise CadenceError(f"unknown distill mode {cfg.mode!r}")
     if cfg.batch_size < 1 or cfg.shard_prompts < 1:
@@ -280,7 +277,6 @@ def run_distill(cfg: DistillConfig, backbone=None, items=None) -> dict:
         raise CadenceError(f"{out} holds data of another format (safetensors shards, made before the store); "
                            "train and calibrate still read it, but distill into a new --out")
     if backbone is None:
-        from cadence.backbone import load_backbone
         backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, backend=_backend(cfg))
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)

@@ -30,8 +30,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from cadence.atomic import atomic_write, atomic_write_json
 from cadence.errors import CadenceError
+from cadence.system.atomic import atomic_write, atomic_write_json
+from cadence.training.batches import sequence_features
 from cadence.training.data import iter_sequences, load_manifest, read_shard
 
 CACHE_JSON = "cache.json"
@@ -157,7 +158,6 @@ def build_cache(directory: str | Path, backbone, data_dir: str | Path, files: li
                 "shards": {}}
     else:
         _check(meta, directory, backbone, fp, manifest["config"])
-    from cadence.training.batches import sequence_features
 
     todo = []  # (shard, its data, the taps its new file holds)
     for name in files:

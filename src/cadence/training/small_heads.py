@@ -32,9 +32,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cadence.backbone.load import load_backbone
 from cadence.cliargs import add_fields, from_args
 from cadence.errors import CadenceError
+from cadence.heads import load_heads
 from cadence.heads.base import teacher_features
+from cadence.heads.io import KINDS
+from cadence.heads.shipped import shipped_heads_dir
+from cadence.heads.small import CLP, CLP_FILE, CONF_FILE, ConfidenceHead, save_small
+from cadence.training.data import iter_sequences, load_manifest, read_shard
 
 HOLDOUT_EVERY = 10  # fallback held-out split: every 10th train sequence, while there are no val shards
 
@@ -184,8 +190,6 @@ def rollout(backbone, heads, ids: torch.Tensor, plen: int, features: bool = Fals
 def split_sequences(data_dir: str | Path) -> tuple[list, list, str]:
     """(train, held-out) lists of (ids, prompt_len) iterators' sources, and how held-out
     was chosen."""
-    from cadence.training.data import iter_sequences, load_manifest, read_shard
-
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     if manifest is None:
@@ -237,8 +241,6 @@ def _distribution(labels: torch.Tensor, K: int) -> list[float]:
 
 def train_clp_on(train: Rollouts, val: Rollouts, K: int, cfg: SmallHeadConfig):
     """Fit Linear(d -> K+1) with cross-entropy; returns (CLP on raw h, metrics)."""
-    from cadence.heads.small import CLP
-
     torch.manual_seed(cfg.seed)
     d = train.h.shape[1]
     mean, std = train.h.mean(0), train.h.std(0).clamp(min=1e-4)
@@ -283,8 +285,6 @@ def clp_metrics(clp, train: Rollouts, val: Rollouts, K: int) -> dict:
 
 def train_confidence_on(train: Rollouts, val: Rollouts, K: int, cfg: ConfidenceConfig):
     """Fit the confidence MLP with binary cross-entropy on soft targets."""
-    from cadence.heads.small import ConfidenceHead
-
     torch.manual_seed(cfg.seed)
     d = train.h.shape[1]
     head = ConfidenceHead(d, K, cfg.width)
@@ -306,8 +306,6 @@ def train_confidence_on(train: Rollouts, val: Rollouts, K: int, cfg: ConfidenceC
 
 
 def _conf_rows(r: Rollouts, K: int) -> torch.Tensor:
-    from cadence.heads.small import ConfidenceHead
-
     n = len(r.labels)
     k = torch.arange(1, K + 1).repeat(n)
     h = r.h.repeat_interleave(K, 0)
@@ -350,17 +348,11 @@ def _auc(score: torch.Tensor, y: torch.Tensor) -> float:
 # ---------------------------------------------------------------- commands
 
 def _load(cfg: SmallHeadConfig):
-    from cadence.backbone import load_backbone
-    from cadence.heads import load_heads
-    from cadence.heads.io import KINDS
-
     if not cfg.heads:
         raise CadenceError("--heads DIR is required (a directory made by `cadence train`, or hydra | mtp | medusa)")
     backbone = load_backbone(cfg.model, cfg.dtype, cfg.device)
     path = Path(cfg.heads)
     if not path.is_dir() and cfg.heads in KINDS:
-        from cadence.methods import shipped_heads_dir
-
         path = shipped_heads_dir(backbone, cfg.heads)
         if path is None:
             raise CadenceError(f"no {cfg.heads} heads are shipped for {backbone.name}")
@@ -370,8 +362,6 @@ def _load(cfg: SmallHeadConfig):
 
 def run(cfg: SmallHeadConfig, kind: str) -> dict:
     """Train a CLP (``kind="clp"``) or confidence head; save it; return the summary."""
-    from cadence.heads.small import CLP_FILE, CONF_FILE, save_small
-
     t_start = time.perf_counter()
     backbone, heads, heads_dir = _load(cfg)
     features = kind == CONF_FILE

@@ -92,29 +92,15 @@ from collections.abc import Iterable, Iterator
 from functools import cache
 from pathlib import Path
 
+from cadence.bench import tasks
+from cadence.bench.tasks import GSM8K_INSTRUCTION, HUMANEVAL_INSTRUCTION, is_creative_writing
 from cadence.errors import CadenceError
 from cadence.prompts import (
-    PromptItem,
-    gsm8k_items,
-    item_hash,
-    jsonl_items,
-    prompt_hash,
-    sharegpt_items,
-    sharegpt_later_turns,
+    gsm8k_items, item_hash, jsonl_items, prompt_hash, PromptItem, sharegpt_items, sharegpt_later_turns,
 )
 from cadence.training.families import (
-    _alternate,
-    _sharegpt_train,
-    _shuffled,
-    chat_context_items,
-    extract_items,
-    humanities_items,
-    is_code_request,
-    passage_qa_items,
-    roleplay_items,
-    stem_items,
-    summarize_items,
-    translation_items,
+    _alternate, _sharegpt_train, _shuffled, chat_context_items, extract_items, humanities_items,
+    is_code_request, passage_qa_items, roleplay_items, stem_items, summarize_items, translation_items,
 )
 
 NAMED = ("sharegpt", "gsm8k", "code", "writing", "sharegpt-turns", "code-packages",
@@ -133,8 +119,6 @@ def normalized_hash(text: str) -> str:
 @cache
 def evaluation_hashes() -> frozenset[str]:
     """Normalised hashes of every prompt ``cadence bench`` may ask (see the module docstring)."""
-    from cadence.bench import tasks
-
     texts: list[str] = []
     try:
         for it in sharegpt_items("heldout"):
@@ -199,8 +183,6 @@ def is_evaluation_item(item: PromptItem, banned: frozenset[str] | None = None) -
 
 @cache
 def humaneval_entry_points() -> frozenset[str]:
-    from cadence.bench import tasks
-
     try:
         return frozenset(it.meta["entry_point"] for it in tasks.humaneval_items())
     except CadenceError:
@@ -228,8 +210,6 @@ def stdlib_function_items(root: str | Path | None = None, min_doc: int = 60, max
     Each prompt is the function's ``def`` line(s) and docstring, verbatim, inside the
     benchmark's instruction. Order: sorted by module path, then source order.
     """
-    from cadence.bench.tasks import HUMANEVAL_INSTRUCTION
-
     root = Path(root or sysconfig.get_paths()["stdlib"])
     banned = humaneval_entry_points()
     items = []
@@ -320,8 +300,6 @@ def templated_writing_items(seed: int = 0) -> list[PromptItem]:
 
 
 def writing_items(seed: int = 0) -> Iterator[PromptItem]:
-    from cadence.bench.tasks import is_creative_writing
-
     share = _shuffled([it for it in _sharegpt_train() if is_creative_writing(it.prompt)], f"{seed}:writing:sharegpt")
     yield from _alternate([share, _shuffled(templated_writing_items(seed), f"{seed}:writing:templates")])
 
@@ -360,8 +338,6 @@ def source_items(name: str, seed: int = 0) -> list[PromptItem]:
     if name == "sharegpt":
         return _shuffled(list(_sharegpt_train()), f"{seed}:sharegpt")
     if name == "gsm8k":
-        from cadence.bench.tasks import GSM8K_INSTRUCTION
-
         return _shuffled([PromptItem(key=it.key, prompt=GSM8K_INSTRUCTION.format(question=it.prompt),
                                      reference=it.reference) for it in gsm8k_items("train")], f"{seed}:gsm8k")
     if name == "code":

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cadence.atomic import atomic_write
+from cadence.system.atomic import atomic_write
 from cadence.errors import CadenceError
 
 FORMAT = "cadence-store-1"

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cadence.errors import CadenceError
-from cadence.heads.io import KINDS
+from cadence.heads.io import KINDS, load_heads
+from cadence.heads.tables import DraftPolicy
 from cadence.training import losses as L
 
 
@@ -162,9 +163,6 @@ def validate(cfg: TrainConfig) -> None:
 def init_heads(cfg: TrainConfig, backbone):
     """The heads saved in ``cfg.init_from`` (weights and draft vocabulary; not their calibration,
     which the new weights make stale), checked to be the kind and count this run trains."""
-    from cadence.heads.io import load_heads
-    from cadence.heads.policy import DraftPolicy
-
     heads = load_heads(cfg.init_from, backbone)
     if (heads.cfg.kind, heads.cfg.num_heads) != (cfg.kind, cfg.num_heads):
         raise CadenceError(f"--init-from {cfg.init_from} holds {heads.cfg.num_heads} {heads.cfg.kind} heads; "

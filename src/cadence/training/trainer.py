@@ -19,32 +19,33 @@ Output directory::
 
 from __future__ import annotations
 
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, set_seed
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 from tqdm import tqdm
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.backbone.load import load_backbone
 from cadence.errors import CadenceError
-from cadence.heads.io import ATTENTION_KINDS, new_heads, save_heads
-from cadence.training import losses as L
-from cadence.training.batches import (
-    Corpus,
-    RowDataset,
-    collate,
-    pack,
-    segments,
-    to_batch,
-)
+from cadence.heads.eagle3 import default_taps
+from cadence.heads.io import ATTENTION_KINDS, head_class, new_heads, save_heads
+from cadence.system.atomic import atomic_write, atomic_write_json
+from cadence.training import heap, hidden_cache, losses as L
+from cadence.training.batches import collate, Corpus, pack, RowDataset, segments, to_batch
 from cadence.training.data import load_manifest
-from cadence.training.train_config import TrainConfig, fingerprint, init_heads, validate  # noqa: F401 (TrainConfig: re-exported)
 from cadence.training.draft_vocab import choose_draft_vocab, coverage, vocab_map
-from cadence.training.run_files import (CHECKPOINT, CKPT_FORMAT, LOG, Log, Window, diff, load_checkpoint,
-                                        peak_memory_mib, rng_state, set_rng_state, trim_log)
+from cadence.training.run_files import (
+    CHECKPOINT, CKPT_FORMAT, diff, load_checkpoint, LOG, Log, peak_memory_mib, rng_state, set_rng_state,
+    trim_log, Window,
+)
+from cadence.training.train_config import fingerprint, init_heads, TrainConfig, validate  # noqa: F401 (TrainConfig: re-exported)
 
 
 class _Trainable(nn.Module):
@@ -78,8 +79,7 @@ def _shard_lists(manifest: dict) -> dict[str, list[str]]:
 
 def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
     """Train (or resume training) heads as ``cfg`` says; see the module docstring."""
-    from cadence.training.heap import bound_heap
-    bound_heap()  # the C heap otherwise grows every step (see cadence.training.heap)
+    heap.bound_heap()  # the C heap otherwise grows every step (see cadence.training.heap)
     validate(cfg)
     run = _Run(cfg, backbone, accelerator)
     if run.cached_only:
@@ -89,9 +89,6 @@ def train(cfg: TrainConfig, backbone=None, accelerator=None) -> TrainResult:
 
 
 def _make_accelerator(cfg: TrainConfig):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, PartialState
-
     if AcceleratorState._shared_state and PartialState().num_processes == 1:
         # a second run in one process (tests, notebooks) may use another mixed precision
         AcceleratorState._reset_state()
@@ -160,19 +157,14 @@ class _Run:
             raise CadenceError(f"{self.data_dir} has no training shards yet")
 
     def _setup_backbone(self, backbone) -> None:
-        from accelerate.utils import set_seed
-
         cfg = self.cfg
         set_seed(cfg.seed)
         if backbone is None:
-            from cadence.backbone import load_backbone
             backbone = load_backbone(cfg.model, cfg.dtype, str(self.accelerator.device))
         backbone.requires_grad_(False)
         self.backbone = backbone
         if cfg.kind == "eagle3" and not cfg.taps:  # its fc fuses low / mid / high layers by default
-            from dataclasses import replace
 
-            from cadence.heads.eagle3 import default_taps
             self.cfg = cfg = replace(cfg, taps=tuple(default_taps(int(backbone.config.num_hidden_layers))))
         base_loss, adamtp = L.parse_loss(cfg.loss)
         self.need_argmax = (base_loss == "ce" and cfg.target == "backbone") or cfg.eval_target == "backbone"
@@ -192,15 +184,12 @@ class _Run:
         self.cache, self.cached_only = None, False
         self.files = shards["train"] + shards["val"]
         if cfg.cache_hidden:
-            from cadence.training.heap import heap_threshold
-            from cadence.training.hidden_cache import build_cache, open_cache
-
             if self.main:
-                with heap_threshold():  # the build's blocks come from the heap and are reused
-                    build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
+                with heap.heap_threshold():  # the build's blocks come from the heap and are reused
+                    hidden_cache.build_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, dtype=cfg.cache_dtype,
                                 progress=cfg.progress, taps=tuple(cfg.taps))
             self.accelerator.wait_for_everyone()
-            self.cache = open_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, tuple(cfg.taps))
+            self.cache = hidden_cache.open_cache(cfg.cache_hidden, self.backbone, self.data_dir, self.files, tuple(cfg.taps))
             self.cached_only = cfg.cache_only
 
     def _setup_model(self) -> None:
@@ -229,7 +218,6 @@ class _Run:
             optimizer, lambda s: L.lr_lambda(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self.inner = accelerator.unwrap_model(self.model).heads
-        from accelerate.utils import DistributedType
 
         # DeepSpeed / FSDP may shard parameters and optimizer state: their checkpoints go through
         # accelerator.save_state into a step-named directory that checkpoint.pt then points to.
@@ -336,7 +324,6 @@ class _Run:
         if self.main:
             atomic_write(self.ckpt_path, lambda tmp: torch.save(state, tmp))
             if self.sharded:  # older state directories (and any left half-written by a crash) go
-                import shutil
                 for d in out.glob("state-*"):
                     if d.name != state["state_dir"]:
                         shutil.rmtree(d, ignore_errors=True)
@@ -457,7 +444,6 @@ class _Run:
                 self.log.write({"kind": "eval", "step": self.step, **final})
             summary["heldout"] = final
             if self.sharded:  # gather full weights into plain heads
-                from cadence.heads.io import head_class
 
                 full = accelerator.get_state_dict(self.model)
                 final_heads = head_class(cfg.kind)(inner.cfg)

@@ -21,6 +21,7 @@ after ``CADENCE_BUILD_WAIT`` seconds: a build never waits on a dead process or w
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from cadence.fast.native import build
+from cadence.system.machine import ISA_MARCH, _hardware_flags, isa
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("layers.cpp", "linear.h", "fused.cpp", "fused.h", "attention.cpp", "attention.h",
                                                     "attention_amx.cpp", "attention_amx.h", "vec16.h", "amx.h", "fused_math.h",
@@ -78,9 +80,7 @@ def cflags(level: str | None = None) -> list[str]:
     """The compiler flags of this process's build: ``-march=native``, or the instruction set
     ``CADENCE_ISA`` (or ``level``) forces (``avx2``: ``-march=haswell``, AVX2 + FMA + F16C;
     ``avx512``: ``-march=skylake-avx512``, AVX-512 F/CD/BW/DQ/VL without BF16 or AMX), which
-    then runs on this CPU as it would on one that has only that set (``cadence.fast.cpu``)."""
-    from cadence.fast.cpu import ISA_MARCH, isa
-
+    then runs on this CPU as it would on one that has only that set (``cadence.system.machine``)."""
     march = ISA_MARCH[level or isa()]
     return [f if not f.startswith("-march=") else f"-march={march}" for f in _CFLAGS]
 
@@ -104,8 +104,6 @@ def build_variant(name: str, march: str):
 def name() -> str:
     """The extension's name here: its sources, torch, flags and CPU (``_digest``); a build for
     a forced instruction set names it (``cadence_layers_avx2_<digest>``)."""
-    from cadence.fast.cpu import isa
-
     return _name_for(isa(), _digest())
 
 
@@ -128,15 +126,13 @@ def build_state() -> dict:
 
 def build_id() -> str:
     """The loaded extension's build (its sources, torch, flags and CPU), '' when there is
-    none: what a latency curve measured through it holds for (``latency.machine_key``)."""
+    none: what a latency curve measured through it holds for (``machine.machine_key``)."""
     return _digest() if module() is not None else ""
 
 
 def _digest(flags: list[str] | None = None) -> str:
     """Names the build by the source and torch version, so an edit or a new torch rebuilds;
     ``flags``: another build's compiler flags than this process's (``build_for``)."""
-    import hashlib
-
     if flags is None and "digest" in _state:
         return _state["digest"]
 
@@ -152,40 +148,11 @@ def _digest(flags: list[str] | None = None) -> str:
 
 def _cpu_identity() -> str:
     """The CPU's model name and feature flags (Linux), empty where unknown."""
-    from cadence.fast.cpu import _hardware_flags as cpu_flags  # the real CPU, whatever CADENCE_ISA says
-
     try:
         with open("/proc/cpuinfo") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         model = ""
-    return model + " " + " ".join(sorted(cpu_flags()))
+    return model + " " + " ".join(sorted(_hardware_flags()))  # the real CPU, whatever CADENCE_ISA says
 
 
-KIND = {"aten": 0, "onednn": 1, "onednn-dense": 1, "int8": 2, "int4": 3, "amx": 4, "amx-swiglu": 5, "gguf": 6}
-
-
-def linear_ints(lin, max_rows: int = 0) -> list[int]:
-    """A ``kernels.Linear``'s fields as the C++ ``Lin`` takes them (``linear.h``: kind, in,
-    out, min_rows, max_rows, group)."""
-    from cadence.fast.kernels import INT4_GROUP
-
-    kind = KIND["amx-swiglu"] if getattr(lin, "swiglu", False) else KIND[lin.kind]
-    group = lin.qtype if lin.kind == "gguf" else INT4_GROUP  # gguf: the GGML type of its blocks
-    return [kind, lin.in_features, lin.out_features, lin.min_rows, max_rows, group]
-
-
-def build_layers(mod, bb):
-    """A ``Layers`` object holding ``bb``'s weights (references, no copies)."""
-    from cadence.fast.consistent import MAX_ROWS
-
-    s = bb.spec
-    blockable = {id(lin) for lin in bb._blockable}  # blocks of MAX_ROWS rows in steady forwards
-    out = mod.Layers(s.heads, s.kv_heads, s.head_dim, float(s.eps), bool(s.qk_norm), bb.embed.weight.detach(),
-                     bb.final_norm)
-    for layer in bb._layers:
-        lins = [layer.qkv, layer.o, layer.gate_up, layer.down]
-        ints = [i for lin in lins for i in linear_ints(lin, MAX_ROWS if id(lin) in blockable else 0)]
-        out.add_layer(layer.ln1, layer.ln2, layer.q_norm, layer.k_norm, [lin.w for lin in lins],
-                      [lin.scale for lin in lins], [lin.bias for lin in lins], ints)
-    return out

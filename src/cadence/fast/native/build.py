@@ -22,6 +22,8 @@ import os
 import sys
 from pathlib import Path
 
+from torch.utils import cpp_extension
+
 from cadence.system.locks import exclusive, holder
 
 LOCK = "cadence.lock"  # the flock every cadence build takes first
@@ -43,8 +45,6 @@ def wait_s() -> float:
 
 
 def build_dir(name: str) -> Path:
-    from torch.utils import cpp_extension
-
     path = Path(cpp_extension._get_build_directory(name, verbose=False))
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -72,8 +72,6 @@ def load(name: str, sources: list[str], cflags: list[str], ldflags: list[str], w
     """``cpp_extension.load`` under ``cadence.lock``; ``announce`` is printed when it compiles.
     Raises ``BuildBusy`` when another live build outlasts ``wait_s()``; any build error as is
     (its reason recorded for ``cadence env``)."""
-    from torch.utils import cpp_extension
-
     d = build_dir(name)
     with exclusive(d / LOCK, what=what, timeout_s=wait_s()) as held:
         if not held:

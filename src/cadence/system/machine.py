@@ -1,9 +1,13 @@
-"""What the CPU at hand can do, read at run time from ``/proc/cpuinfo``.
+"""The machine cadence runs on: its identity for reports and caches, and what its CPU can do.
 
-Knows: the instruction-set flags that decide kernels and precision (AVX2, AVX-512,
-AVX512-BF16, AMX), and whether oneDNN (mkldnn) is built into this torch.
+Knows: the CPU model, cores, RAM, accelerator and library versions a measurement ran on
+(``machine_info``, ``machine_line``), the key a per-machine measurement is cached under
+(``machine_key``), and the instruction-set flags read at run time from ``/proc/cpuinfo``
+that decide kernels and precision (AVX2, AVX-512, AVX512-BF16, AMX), and whether oneDNN
+(mkldnn) is built into this torch.
 Does not know: how fast anything is; the choices made from these flags are measured in
 ``benchmarks/kernels/verify_cost.py``. Nothing here is hard-coded per machine.
+
 
 The CPU's flags say what the hardware has; what the kernels may use can be narrowed with
 the libraries' own switches, ``ATEN_CPU_CAPABILITY=avx2`` (torch's vectorised kernels),
@@ -22,10 +26,13 @@ read their own switches once, when torch is imported, so the process must have
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import os
+import platform
+import subprocess
 from functools import lru_cache
 from pathlib import Path
-
-import os
 
 import torch
 
@@ -147,3 +154,70 @@ def isa_note() -> str | None:
         return None
     return (f"instruction set limited to torch {lim['torch']}, oneDNN {lim['onednn'] or 'default'}, "
             f"MKL {lim['mkl'] or 'default'}")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def ram_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return round(int(line.split()[1]) / 1024 ** 2, 1)
+    except OSError:
+        pass
+    return None
+
+
+def git_commit(repo: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=repo or Path(__file__).parent, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_info() -> dict:
+    """CPU, cores, RAM, accelerator, library versions, commit."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "ram_gib": ram_gib(), "gpu": gpu,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
+            "platform": platform.platform(), "commit": git_commit(), "isa_limit": isa_note()}
+
+
+
+def machine_line(info: dict | None = None) -> str:
+    info = info or machine_info()
+    acc = info["gpu"] or "no GPU"
+    limit = f" ({info['isa_limit']})" if info.get("isa_limit") else ""
+    return (f"{info['cpu']}{limit}, {info['cores']} cores, {info['ram_gib']} GiB RAM, {acc}; torch {info['torch']}, "
+            f"transformers {info['transformers']}, commit {info['commit']}")
+
+
+def machine_key(backbone) -> str:
+    """A file-name-safe key for the machine + backbone configuration a curve holds for."""
+    dev = backbone.device
+    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+             else f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}|{sorted(isa_limits().items())}")
+    parts = [where, str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, str(dev),
+             str(backbone.dtype), type(backbone).__name__, backbone.name,
+             str(backbone.hidden_size), str(backbone.vocab_size), str(backbone.config.num_hidden_layers)]
+    if getattr(backbone, "chains_only", False):
+        parts.append("chains")  # its curve is measured on chains
+    if getattr(backbone, "quant", "none") != "none":
+        parts.append(f"quant={backbone.quant}")
+    if getattr(backbone, "kernels", None):
+        parts.append(f"kernels={backbone.kernels}")  # a kernel change invalidates the curve
+    if getattr(backbone, "native_build", ""):
+        parts.append(f"native={backbone.native_build}")  # so does an edit of the native kernels
+    digest = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+    return f"{backbone.name}-{str(backbone.dtype).replace('torch.', '')}-{digest}"

@@ -13,7 +13,7 @@ schedulers correct them from what each request accepts.
 ``auto`` picks, among the trees grown greedily from the acceptance table for every
 node budget (and the root alone, i.e. plain decoding), the one with the highest
 expected tokens per second, ``expected_tau / (verify(n) + draft)``, using the verify
-latency measured on this machine (``cadence.latency``). Speculation must beat plain
+latency measured on this machine (``cadence.costs.latency``). Speculation must beat plain
 decoding by ``margin`` in expectation, else the root alone runs: the engine is never
 planned to be slower than vanilla.
 """
@@ -26,12 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.errors import CadenceError
-from cadence.latency import LatencyCurve
-from cadence.sampling import SamplingParams
-from cadence.trees import CompiledTree, chain, compile_tree, expected_tau, grow_tree, preset
-
-MAX_BUDGET = 63  # draft nodes considered by auto (64 nodes with the root)
-
+from cadence.costs.latency import LatencyCurve
+from cadence.verify.sampling import SamplingParams
+from cadence.trees.budget import AUTO_NODES
+from cadence.trees.tree import CompiledTree, chain, compile_tree, expected_tau, grow_tree, preset
 
 @dataclass
 class Choice:
@@ -52,7 +50,7 @@ def step_seconds(latency: LatencyCurve, size: int, depth: int, draft_s: float, n
 
 
 def best_tree(table: list[list[float]], latency: LatencyCurve, draft_s: float, num_heads: int,
-              max_depth: int, margin: float = 0.05, max_budget: int = MAX_BUDGET) -> Choice:
+              max_depth: int, margin: float = 0.05, max_budget: int = AUTO_NODES - 1) -> Choice:
     """The tree of highest expected tokens/s among greedy growths of 0..max_budget nodes.
 
     Step cost of a tree of b drafts and depth d: ``latency(b + 1) + draft_s * min(d, K)``

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.errors import CadenceError
+from cadence.fast import native
 
 
 MIN_TEMPERATURE = 1e-5  # below it decoding is greedy (as vLLM's _SAMPLING_EPS): logits / T would overflow
@@ -46,8 +47,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     where the native extension is loaded, through its one-pass kernel: torch's CPU argmax
     took 0.125 ms for one 49,152-logit row and 1.1 ms for a 32-node tree's, the kernel 0.022
     and 0.113 (``benchmarks/kernels/sampling_cost.py``, AMX Xeon, 2026-12-03, 6b59e7b); elsewhere torch's."""
-    from cadence.fast import native
-
     ops = native.loaded()
     if ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
             and logits.dim() >= 1 and logits.shape[-1] > 0:

@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from cadence.atomic import atomic_write_json
+from cadence.system.atomic import atomic_write_json
 from cadence.errors import CadenceError
 
 POLICY_FILE = "draft_config.json"

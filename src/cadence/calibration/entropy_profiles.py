@@ -1,52 +1,30 @@
-"""Acceptance profiles: the heads' acceptance tables per task, binned by the backbone's
-entropy at the root (what EntMTP switches on). A property of the heads: they ship beside
-them as ``profiles.json``; the trees are derived at run time with this machine's latency.
+"""Measuring acceptance profiles (``cadence calibrate --profiles``): the heads' acceptance
+tables per task and per bin of the backbone's root entropy, and the Pareto frontier of
+trees per bin (a plot).
 
-Knows: how to measure the tables (teacher-forced ranks on distilled sequences, as
-``calibrate`` does, split by quantile bins of the root entropy and by the prompt source
-of each sequence), how to store and read them, which bin an entropy falls in, and the
-Pareto frontier of trees per bin (with a plot). Does not know schedulers or engines.
-
-Tasks map to the self-distillation store's prompt sources: ``humaneval`` <- code,
-``gsm8k`` <- gsm8k, ``sharegpt`` <- sharegpt, ``writing`` <- writing; ``general`` pools
-them all.
+Knows: teacher-forced ranks on distilled sequences (``acceptance.sequence_ranks``), split
+by quantile bins of the root entropy and by the prompt source of each sequence. Does not
+know schedulers or engines; what it measures is read at run time by ``cadence.heads.profiles``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from cadence.atomic import atomic_write_json
-from cadence.context_copy import CopyConfig
+from cadence.calibration.acceptance import RankHistogram, sequence_ranks
+from cadence.costs.tree_choice import step_seconds
+from cadence.draft.context_copy import CopyConfig
 from cadence.errors import CadenceError
-
-TASK_SOURCES = {"humaneval": "code", "gsm8k": "gsm8k", "sharegpt": "sharegpt", "writing": "writing"}
-PROFILES_FILE = "profiles.json"
-
-
-@dataclass
-class Profile:
-    """Acceptance tables of one task, per entropy bin."""
-
-    edges: list[float]  # bin edges (nats), ascending; bin i = edges[i-1] <= H < edges[i]
-    tables: list[list[list[float]]]  # per bin: a[k][i] for the heads alone
-    copy_tables: list[list[list[float]]] | None  # per bin: with the context copy ranked first
-    counts: list[int]  # positions per bin
-
-    def bin_of(self, h: float) -> int:
-        """Example: edges [0.5, 2.0] -> h 0.1: bin 0, h 1.0: bin 1, h 3.0: bin 2."""
-        return sum(h >= e for e in self.edges)
+from cadence.heads.profiles import TASK_SOURCES, Profile
+from cadence.training.data import iter_sequences, load_manifest, read_shard
+from cadence.training.store import read_store_shard
+from cadence.trees.tree import expected_tau, grow_tree
 
 
 def _sequences_with_source(data_dir: Path, split: str):
-    from cadence.training.data import iter_sequences, load_manifest, read_shard
-    from cadence.training.store import read_store_shard
-
     manifest = load_manifest(data_dir)
     if manifest is None:
         raise CadenceError(f"{data_dir} has no manifest.json")
@@ -67,10 +45,8 @@ def measure_profiles(backbone, heads, data_dir: str | Path, tasks: list[str], bi
     """Profiles for ``tasks`` (``general`` and/or keys of ``TASK_SOURCES``), each from up to
     ``tokens`` reply tokens of its sources; bin edges are quantiles of that task's entropies.
     ``context_vocab``: rank the context's tokens outside the heads' draft vocabulary too, as
-    the drafter does with ``--context-vocab`` (``calibrate.sequence_ranks``).
+    the drafter does with ``--context-vocab`` (``acceptance.sequence_ranks``).
     A task whose source has no sequences in the data is left out (``general`` never is)."""
-    from cadence.calibrate import _RankHistogram, sequence_ranks
-
     depth = max(copy_depth, heads.K)
     wanted = {t: (None if t == "general" else TASK_SOURCES[t]) for t in tasks}
     got: dict[str, list] = {t: [] for t in tasks}
@@ -99,8 +75,8 @@ def measure_profiles(backbone, heads, data_dir: str | Path, tasks: list[str], bi
             raise CadenceError(f"no {split} sequences in {data_dir}")
         ent = torch.cat([r.entropy for r in seqs])
         edges = torch.quantile(ent, torch.linspace(0, 1, bins + 1)[1:-1]).tolist()
-        plain = [_RankHistogram(heads.K, ranks) for _ in range(bins)]
-        copied = [_RankHistogram(depth, ranks) for _ in range(bins)] if copy is not None else None
+        plain = [RankHistogram(heads.K, ranks) for _ in range(bins)]
+        copied = [RankHistogram(depth, ranks) for _ in range(bins)] if copy is not None else None
         counts = [0] * bins
         for r in seqs:
             b = torch.bucketize(r.entropy, torch.tensor(edges), right=True)
@@ -115,36 +91,13 @@ def measure_profiles(backbone, heads, data_dir: str | Path, tasks: list[str], bi
     return out
 
 
-def save_profiles(heads_dir: str | Path, profiles: dict[str, Profile], info: dict) -> Path:
-    path = Path(heads_dir) / PROFILES_FILE
-    atomic_write_json(path, {"format": 1, **info, "profiles": {t: asdict(p) for t, p in profiles.items()}})
-    return path
-
-
-def load_profiles(heads_dir: str | Path | None) -> dict[str, Profile]:
-    """The profiles shipped beside heads ({} when there are none)."""
-    if heads_dir is None:
-        return {}
-    path = Path(heads_dir) / PROFILES_FILE
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        return {t: Profile(**p) for t, p in data["profiles"].items()}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CadenceError(f"{path} is not a valid acceptance profile file: {exc}") from exc
-
-
 def plot_frontiers(profile: Profile, latency, draft_s: float, num_heads: int, copy: bool, out: str | Path) -> None:
     """Expected tokens/s (relative to plain decoding) of the tree grown for each node budget,
     one line per entropy bin: where each bin's best tree is."""
-    import matplotlib
+    import matplotlib  # the bench extra: plots only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from cadence.tree_policy import step_seconds
-    from cadence.trees import expected_tau, grow_tree
+    import matplotlib.pyplot as plt  # after choosing the backend (above)
 
     tables = profile.copy_tables if copy and profile.copy_tables else profile.tables
     fig, ax = plt.subplots(figsize=(7, 4))

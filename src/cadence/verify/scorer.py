@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cadence.trees import CompiledTree
+from cadence.trees.tree import CompiledTree
 
 
 def score(backbone, cache, past: int, tree: CompiledTree, tokens: torch.Tensor, taps: tuple[int, ...] = ()):

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from cadence.context_copy import CopyConfig, NgramIndex, copy_after
-from cadence.drafter import Draft, drop_unfilled, path_tail
-from cadence.sampling import SamplingParams
-from cadence.trees import CompiledTree
+from cadence.draft.context_copy import CopyConfig, NgramIndex, copy_after
+from cadence.draft.base import Draft, drop_unfilled, path_tail
+from cadence.verify.sampling import SamplingParams
+from cadence.trees.tree import CompiledTree
 
 
 class CopyDrafter:

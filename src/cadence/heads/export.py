@@ -80,8 +80,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cadence.atomic import atomic_write, atomic_write_json
+from cadence.backbone.load import load_backbone, resolve_model_dir
 from cadence.errors import CadenceError
+from cadence.heads.base import HeadConfig
+from cadence.heads.io import head_class, new_heads
+from cadence.system.atomic import atomic_write, atomic_write_json
 
 FORMATS = {"vllm-eagle": "EagleLlamaForCausalLM", "sglang-eagle": "LlamaForCausalLMEagle",
            "vllm-eagle3": "Eagle3LlamaForCausalLM", "sglang-eagle3": "LlamaForCausalLMEagle3",
@@ -220,9 +223,6 @@ def export_heads(heads_dir: str | Path, fmt: str, out: str | Path, backbone_conf
     """Write ``out/config.json`` and ``out/model.safetensors`` for ``fmt`` (a layout, an alias, or
     a server with the heads' kind or ``method``) from a heads directory. lm_weight (V, H): the
     backbone's LM head (``vllm-medusa`` ships it)."""
-    from cadence.heads.io import head_class
-    from cadence.heads.base import HeadConfig
-
     heads_dir, out = Path(heads_dir), Path(out)
     cfg_path = heads_dir / "config.json"
     if not cfg_path.is_file() or not (heads_dir / "heads.safetensors").is_file():
@@ -277,8 +277,6 @@ def export_heads(heads_dir: str | Path, fmt: str, out: str | Path, backbone_conf
 def import_medusa(directory: str | Path, backbone):
     """Read an exported ``vllm-medusa`` directory back into cadence MedusaHeads bound to
     ``backbone``; refuses a directory whose LM head is not this backbone's (up to bf16)."""
-    from cadence.heads.io import new_heads
-
     directory = Path(directory)
     try:
         conf = json.loads((directory / "config.json").read_text())
@@ -303,8 +301,6 @@ def import_medusa(directory: str | Path, backbone):
 
 def import_eagle(directory: str | Path, backbone):
     """Read an exported directory back into cadence EagleHeads bound to ``backbone``."""
-    from cadence.heads.io import new_heads
-
     directory = Path(directory)
     try:
         conf = json.loads((directory / "config.json").read_text())
@@ -329,7 +325,6 @@ def import_eagle(directory: str | Path, backbone):
 def _backbone_config(spec: str) -> dict | None:
     if not spec:
         return None
-    from cadence.backbone import resolve_model_dir
 
     path, _ = resolve_model_dir(spec)
     return json.loads((Path(path) / "config.json").read_text())
@@ -354,7 +349,6 @@ def register(sub) -> None:
 def _lm_weight(spec: str) -> torch.Tensor | None:
     if not spec:
         return None
-    from cadence.backbone import load_backbone
 
     return load_backbone(spec, "float32", backend="transformers").lm_head.weight.detach()
 

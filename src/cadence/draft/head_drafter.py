@@ -25,95 +25,13 @@ every head: attention heads then see only h_t and the draft path (no earlier con
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 
-from cadence.context_copy import CopyConfig, NgramIndex, copy_after, merge_candidates
-from cadence.context_vocab import ContextVocabs
-from cadence.errors import CadenceError
-from cadence.sampling import SamplingParams, argmax, categorical, probs
-from cadence.trees import CompiledTree, compile_tree
-
-
-@dataclass
-class DraftState:
-    """One request's drafter state (attention heads): backbone states not yet consumed by the
-    heads' cache, and the cache itself (``heads.new_cache()``, made at the first draft)."""
-
-    pending: list = field(default_factory=list)  # (m, d) tensors: h of committed tokens, in order
-    cache: object = None
-    committed: int = 0  # tokens reported through ``commit``
-
-
-@dataclass
-class Draft:
-    tokens: torch.Tensor  # (N+1,) long: node 0 is the root token
-    q: torch.Tensor | None  # (N+1, V) distribution each node's children were drawn from (T > 0)
-    tree: CompiledTree | None = None  # the tree actually filled, when nodes were dropped (else the one asked for)
-    copy_nodes: dict | None = None  # dynamic trees: node -> whether its parent is a copy too, for each context copy
-    fixed: frozenset = frozenset()  # T > 0: nodes proposed as a point mass (context copies), not drawn from q
-
-
-class Drafter(Protocol):
-    num_heads: int  # K: the deepest level the heads draft
-
-    def draft(self, tree: CompiledTree, root: int, hidden: torch.Tensor, context: list[int],
-              sampling: SamplingParams, generator: torch.Generator | None,
-              copies: NgramIndex | None = None, state: DraftState | None = None) -> Draft:
-        """hidden: (d,) backbone state that produced ``root``; context: committed ids;
-        copies: the request's n-gram index (``new_index``), or None for no context copy;
-        state: the request's ``new_state()`` (optional: pass it only when it is not None)."""
-        ...
-
-    # Optional (engines call them when present, see ``engine.Request``):
-    # new_state() -> DraftState | None: per-request state, None when the drafter needs none.
-    # commit(state, hidden (n, d), tokens (n,)): tokens were committed, hidden[i] the backbone
-    #     state after tokens[i] (the prompt after prefill; the accepted path after each verify).
-
-    def new_index(self) -> NgramIndex | None:
-        """Per-request context-copy state, or None when this drafter does not copy."""
-        ...
-
-    def max_depth(self, sampling: SamplingParams) -> int:
-        """Deepest tree level this drafter can fill under ``sampling``."""
-        ...
-
-
-def path_tail(tree: CompiledTree, tokens: list[int], node: int, context, need: int) -> list[int]:
-    """The last ``need`` known tokens ending at ``node``: context, root, then the path down
-    to ``node`` (what a context copy is looked up by). Example: context [1, 2], root 3,
-    node 2 = child of node 1 (token 4) with token 5, need 3 -> [3, 4, 5]."""
-    path = []
-    j = node
-    while j >= 0:
-        path.append(tokens[j])
-        j = tree.parents[j]
-    path.reverse()
-    if len(path) < need:
-        path = list(context[-(need - len(path)):]) + path
-    return path[-need:]
-
-
-def drop_unfilled(tree: CompiledTree, tokens: list[int], filled: list[bool], q, device,
-                  fixed: frozenset = frozenset()) -> Draft:
-    """The draft over the nodes that got a candidate (and whose ancestors all did); ``fixed``
-    (point-mass proposals) renumbered with them.
-
-    Example: chain (0,), (0,0), (0,0,0) named "c" with no candidate for node 2 -> nodes 2
-    and 3 go, Draft.tree is the chain (0,) named "c~2" (2 nodes) and Draft.tokens is
-    [root, token of node 1]."""
-    for node in range(1, tree.size):  # parents come before children in node order
-        filled[node] = filled[node] and filled[tree.parents[node]]
-    if all(filled):
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), q=q, fixed=frozenset(fixed))
-    keep = [i for i in range(1, tree.size) if filled[i]]
-    sub = compile_tree([tree.paths[i - 1] for i in keep], name=f"{tree.name}~{len(keep) + 1}")
-    new_index = {old: new for new, old in enumerate([0] + keep)}
-    return Draft(tokens=torch.tensor([tokens[0]] + [tokens[i] for i in keep], dtype=torch.long, device=device),
-                 q=None if q is None else q[[0] + keep], tree=sub,
-                 fixed=frozenset(new_index[i] for i in fixed if i in new_index))
+from cadence.draft.context_copy import CopyConfig, NgramIndex, copy_after, merge_candidates
+from cadence.draft.base import Draft, DraftState, drop_unfilled, path_tail
+from cadence.draft.context_vocab import ContextVocabs
+from cadence.draft.grow import DynamicTree, draft_dynamic
+from cadence.verify.sampling import SamplingParams, argmax, categorical, probs
 
 
 class HeadDrafter:
@@ -183,11 +101,11 @@ class HeadDrafter:
             return self.shadow_heads(torch.stack(keys), roots)
         if state is None or state.committed != len(context):
             return None
-        self._begin(state, hidden, context, root)  # the roots' entries: committed by now
+        self.begin(state, hidden, context, root)  # the roots' entries: committed by now
         feats = self.heads.entry_features(state.cache, keys)
         if feats is None:
             return None
-        logits, vocab_ids = self._logits(feats, None)
+        logits, vocab_ids = self.logits(feats, None)
         best = argmax(logits)
         return (vocab_ids[best] if vocab_ids is not None else best).tolist()
 
@@ -206,7 +124,7 @@ class HeadDrafter:
         state.pending.append(hidden.detach())
         state.committed += len(tokens)
 
-    def _begin(self, state: DraftState | None, hidden: torch.Tensor, context, root: int):
+    def begin(self, state: DraftState | None, hidden: torch.Tensor, context, root: int):
         """Extend the request's head cache to the committed context and start a draft."""
         seq = list(context) + [root]
         if state is None:  # no request state: attend over the draft path only
@@ -240,7 +158,7 @@ class HeadDrafter:
         if copying:
             copies.sync(list(context) + [root])
         attends = getattr(self.heads, "attends", False)
-        ctx = self._begin(state, hidden, context, root) if attends else None
+        ctx = self.begin(state, hidden, context, root) if attends else None
         extra = self.context_vocab.extra_ids(context, root) if self.context_vocab is not None else None
         extra = (extra, self.heads.lm_rows(extra)) if extra is not None else None  # ids (n,), rows (n, d)
         state_of: dict[int, torch.Tensor] = {-1: self.heads.init_state(hidden[None])[0]}
@@ -270,7 +188,7 @@ class HeadDrafter:
                     feats = self.heads.tree_logits_features(depth + 1, states)
                 else:
                     feats, states = self.heads.step_features(depth + 1, prev, node_tokens)
-                logits, vocab_ids = self._logits(feats, extra)
+                logits, vocab_ids = self.logits(feats, extra)
                 for j, node in enumerate(nodes):
                     state_of[node] = states[j]
                 cands, q = self._candidates(logits, vocab_ids, nodes, widths, sampling, generator, q, n, found)
@@ -286,13 +204,12 @@ class HeadDrafter:
                         filled[child] = False
         return drop_unfilled(tree, tokens, filled, q, device, frozenset(fixed))
 
-    def draft_dynamic(self, spec, root: int, hidden: torch.Tensor, context, limit: int,
+    def draft_dynamic(self, spec: DynamicTree, root: int, hidden: torch.Tensor, context, limit: int,
                       copies: NgramIndex | None = None, state: DraftState | None = None,
                       sampling: SamplingParams | None = None) -> Draft:
-        """An EAGLE-2 dynamic tree (``dynamic_tree.draft_dynamic``; ``spec`` a ``DynamicTree``),
+        """An EAGLE-2 dynamic tree (``grow.draft_dynamic``; ``spec`` a ``DynamicTree``),
         at most ``limit`` levels deep: the tree is chosen while drafting, ``Draft.tree`` says
         which. At T > 0 its nodes are point-mass proposals (``Draft.q`` None)."""
-        from cadence.dynamic_tree import draft_dynamic  # it builds on this module
         return draft_dynamic(self, spec, root, hidden, context, limit, copies, state, sampling)
 
     @torch.inference_mode()
@@ -321,7 +238,7 @@ class HeadDrafter:
         best = argmax(logits)  # (B,)
         return (vocab_ids[best] if vocab_ids is not None else best).tolist()
 
-    def _logits(self, feats: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None):
+    def logits(self, feats: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None):
         """feats (P, d) -> (logits (P, V'), ids (V',) or None for the whole vocabulary): the
         draft vocabulary's columns, then those of the context tokens outside it (``extra``:
         their ids (n,) and LM-head rows (n, d))."""

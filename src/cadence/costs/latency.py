@@ -14,9 +14,7 @@ device, dtype, backend and model.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-from cadence.atomic import atomic_write_json
-from cadence.fast.cpu import cpu_flags, isa_limits
-from cadence.sampling import argmax
-from cadence.machine import cpu_model
-from cadence.scorer import score
-from cadence.trees import chain, compile_tree, grow_tree, prior_acceptance
+from cadence.system import cache as disk_cache
+from cadence.system.atomic import atomic_write_json
+from cadence.system.machine import cpu_model, machine_key
+from cadence.trees.budget import AUTO_NODES
+from cadence.trees.tree import chain, compile_tree, grow_tree, prior_acceptance
+from cadence.verify.sampling import argmax
+from cadence.verify.scorer import score
 
-SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # tree nodes, root included
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, AUTO_NODES)  # tree nodes, root included
 FORMAT = 3  # 3: context 128, lower quartile of 9 rounds (1: context 256, median of 5)
 
 
@@ -64,27 +63,7 @@ class LatencyCurve:
         return self(n) / self(1)
 
 
-def machine_key(backbone) -> str:
-    """A file-name-safe key for the machine + backbone configuration a curve holds for."""
-    dev = backbone.device
-    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-             else f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}|{sorted(isa_limits().items())}")
-    parts = [where, str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, str(dev),
-             str(backbone.dtype), type(backbone).__name__, backbone.name,
-             str(backbone.hidden_size), str(backbone.vocab_size), str(backbone.config.num_hidden_layers)]
-    if getattr(backbone, "chains_only", False):
-        parts.append("chains")  # its curve is measured on chains
-    if getattr(backbone, "quant", "none") != "none":
-        parts.append(f"quant={backbone.quant}")
-    if getattr(backbone, "kernels", None):
-        parts.append(f"kernels={backbone.kernels}")  # a kernel change invalidates the curve
-    if getattr(backbone, "native_build", ""):
-        parts.append(f"native={backbone.native_build}")  # so does an edit of the native kernels
-    digest = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
-    return f"{backbone.name}-{str(backbone.dtype).replace('torch.', '')}-{digest}"
-
-
-def _probe_tree(n: int, chains_only: bool = False):
+def probe_tree(n: int, chains_only: bool = False):
     """A representative tree of n nodes: a bushy one, as greedy growth makes them, or a
     chain for a backbone that verifies chains only cheaply (``Backbone.chains_only``)."""
     if chains_only:
@@ -108,7 +87,7 @@ def measure(backbone, sizes=SIZES, context: int = 128, rounds: int = 9,
     cache = backbone.new_cache()
     backbone.forward(ctx, cache, need_logits=False)
     chains = getattr(backbone, "chains_only", False) if chains is None else chains
-    trees = [_probe_tree(n, chains) for n in sizes]
+    trees = [probe_tree(n, chains) for n in sizes]
     samples: list[list[float]] = [[] for _ in sizes]
     for r in range(rounds + 1):
         for i, tree in enumerate(trees):
@@ -127,13 +106,11 @@ def measure(backbone, sizes=SIZES, context: int = 128, rounds: int = 9,
 
 
 def cache_path(backbone) -> Path:
-    from cadence.backbone import cache_root
-
-    return cache_root() / "latency" / f"{machine_key(backbone)}.json"
+    return disk_cache.root() / "latency" / f"{machine_key(backbone)}.json"
 
 
-def load_or_measure(backbone, sizes=SIZES, rounds: int = 9, remeasure: bool = False,
-                    verbose: bool = False) -> LatencyCurve:
+def latency_curve(backbone, sizes=SIZES, rounds: int = 9, remeasure: bool = False,
+                  verbose: bool = False) -> LatencyCurve:
     """The cached curve for this machine and backbone, measuring it the first time."""
     path = cache_path(backbone)
     if path.is_file() and not remeasure:

@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 from cadence.errors import CadenceError
-from cadence.sampling import SamplingParams, argmax, entropy, probs, sample, uniform
-from cadence.trees import CompiledTree
+from cadence.verify.sampling import SamplingParams, argmax, entropy, probs, sample, uniform
+from cadence.trees.tree import CompiledTree
 
 
 @dataclass

@@ -17,7 +17,7 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
   2. plan = scheduler.choose(state); its tree is cut to what the drafter can fill
      (copies reach deeper than the heads), to the tokens still allowed and
      to the model's positions; the drafter fills it from (h, root) (a dynamic plan: the
-     drafter grows the tree itself, ``dynamic_tree``; at T > 0 verified as point masses). A root-alone plan
+     drafter grows the tree itself, ``draft.grow``; at T > 0 verified as point masses). A root-alone plan
      may ask for a shadow draft (T = 0): the depth-1 top candidate is drafted (one head
      call, no verify cost) and, once the root's forward gives the true next token,
      the scheduler learns whether it would have been accepted; it is never committed
@@ -32,110 +32,21 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
 
 from __future__ import annotations
 
-import math
 import time
-from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
 
-from cadence.detok import Detokenizer
-from cadence.drafter import Draft
+from cadence.decode.detok import Detokenizer
+from cadence.decode.generation import GenerationConfig, Stats
+from cadence.draft.base import Draft
 from cadence.errors import CadenceError
-from cadence.sampling import SamplingParams, argmax, probs, sample
-from cadence.schedulers.base import Plan, Scheduler, SchedulerFactory, StepInfo, StepState
-from cadence.schedulers.static import StaticScheduler
-from cadence.scorer import score
-from cadence.trees import CompiledTree, compile_tree, truncate
-from cadence.verify import RULES, Rule, VerifyContext, unverified
-
-
-@dataclass
-class GenerationConfig:
-    """Per-request decoding settings; CLI flags derive from these fields."""
-
-    max_new_tokens: int = field(default=256, metadata={"help": "hard cap on generated tokens"})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (T > 0), in (0, 1]"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling (T > 0), 0 = off"})
-    seed: int = field(default=0, metadata={"help": "RNG seed for sampling and acceptance tests"})
-    stop: tuple[str, ...] = field(default=(), metadata={
-        "help": "stop strings: generation ends when the text contains one (the text is cut before it)"})
-    rule: Rule = field(default=Rule.AUTO, metadata={
-        "help": "verification rule: auto = greedy at T=0, speculative sampling otherwise (both "
-                "lossless); greedy needs T=0; typical is lossy"})
-    drift: float = field(default=1.0, metadata={
-        "help": "--rule relaxed (LOSSY): budget DELTA, in nats, on the cumulative log-probability gap "
-                "log p(argmax) - log p(draft) along an accepted chain; 0 = greedy exactly"})
-    top_m: int = field(default=3, metadata={
-        "help": "--rule relaxed (LOSSY): a draft is accepted only if it is within the backbone's top-M "
-                "at its parent (and the chain stays within --drift)"})
-
-    def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise CadenceError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        # every number finite and in range now, not mid-step (where VerifyContext checks them too)
-        if isinstance(self.drift, bool) or not isinstance(self.drift, (int, float)) \
-                or not (math.isfinite(self.drift) and self.drift >= 0):
-            raise CadenceError(f"drift must be a finite number >= 0, got {self.drift!r}")
-        if isinstance(self.top_m, bool) or not isinstance(self.top_m, int) or self.top_m < 1:
-            raise CadenceError(f"top_m must be an integer >= 1, got {self.top_m!r}")
-        self.rule = Rule(self.rule)
-        self.rule.check(self.sampling)  # also validates temperature (finite) / top_p / top_k
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k)
-
-
-@dataclass
-class Stats:
-    """Statistics of one generation."""
-
-    new_tokens: int = 0  # tokens returned (EOS included; nothing past a stop string)
-    steps: int = 0  # commits; each commits 1 + accepted drafts
-    forwards: int = 0  # backbone forwards after prefill
-    accepted_at_depth: list[int] = field(default_factory=list)  # steps whose accepted length >= d, d=1..
-    prefill_s: float = 0.0  # prompt forward
-    wall_s: float = 0.0  # whole request, prefill included
-    step_log: list[StepInfo] = field(default_factory=list)  # one record per step with a forward
-    unverified_steps: int = 0  # steps committed without verification (lossy schedulers, opt-in)
-
-    @property
-    def tau(self) -> float:
-        """Tokens committed per step (1.0 for plain decoding)."""
-        return self.new_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def acceptance_by_depth(self) -> list[float]:
-        """Share of steps that accepted at least d drafts, d = 1.. (bench's acceptance per depth).
-        Example: 10 steps, accepted_at_depth [6, 3] -> [0.6, 0.3]."""
-        return [round(n / self.steps, 4) for n in self.accepted_at_depth] if self.steps else []
-
-    def summary(self) -> dict:
-        planned = Counter(s.planned for s in self.step_log)
-        run = Counter(f"{s.tree} ({s.nodes} nodes)" for s in self.step_log)
-        nodes = sum(s.nodes for s in self.step_log) / len(self.step_log) if self.step_log else 1.0
-        return {"new_tokens": self.new_tokens, "steps": self.steps, "forwards": self.forwards,
-                "tau": round(self.tau, 4), "accepted_at_depth": self.accepted_at_depth,
-                "acceptance_by_depth": self.acceptance_by_depth,
-                "prefill_s": round(self.prefill_s, 4), "wall_s": round(self.wall_s, 4),
-                "tokens_per_s": round(self.tokens_per_s, 3),
-                "tree": planned.most_common(1)[0][0] if planned else "root",
-                "mean_nodes": round(nodes, 3), "trees_run": dict(run.most_common()),
-                "unverified_steps": self.unverified_steps}
-
-
-@dataclass
-class Generation:
-    tokens: list[int]  # generated ids (prompt excluded)
-    text: str  # decoded, special tokens skipped, cut at a stop string
-    stats: Stats
+from cadence.schedulers.base import Plan, StepInfo, StepState
+from cadence.trees.tree import compile_tree, CompiledTree, truncate
+from cadence.verify.rules import RULES, unverified, VerifyContext
+from cadence.verify.sampling import argmax, probs, sample
+from cadence.verify.scorer import score
 
 
 ROOT_ONLY = compile_tree([], name="root")
@@ -178,64 +89,15 @@ def drafter_states(out) -> torch.Tensor:
         return out.hidden
     return torch.cat([out.hidden, out.taps.flatten(-2).to(out.hidden.dtype)], dim=-1)
 
-class Engine:
-    """Self-speculative decoding on a frozen backbone; any number of requests in flight.
-
-    scheduler: a ``SchedulerFactory`` (``factory(sampling) -> Scheduler``, called once
-    per request) or a stateless ``Scheduler`` shared by every request (e.g. a
-    ``StaticScheduler``). Default: the top-1 chain of the drafter's heads.
-    """
-
-    def __init__(self, backbone, drafter=None, scheduler: Scheduler | SchedulerFactory | None = None):
-        self.backbone = backbone
-        self.drafter = drafter
-        if scheduler is None and drafter is not None:
-            scheduler = StaticScheduler.from_preset("chain", drafter.num_heads)
-        if scheduler is not None and hasattr(scheduler, "choose"):
-            shared = scheduler
-            scheduler = lambda sampling: shared  # noqa: E731 - a stateless scheduler serves all
-        self.new_scheduler: SchedulerFactory | None = scheduler
-        # backbone layers the drafter also reads (eagle heads with taps): every forward taps them
-        self.taps: tuple[int, ...] = tuple(getattr(drafter, "taps", ()) or ())
-        self.trace_entropy = False  # record the root entropy of every step (a softmax per step)
-        self.allow_unverified = False  # opt-in: schedulers may commit drafts without verification (lossy)
-
-    def start(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> "Request":
-        """A new request (validated, nothing computed yet); iterate it or call ``step``."""
-        return Request(self, list(prompt_ids), cfg or GenerationConfig())
-
-    def stream(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> "Request":
-        """The request as an iterator of newly committed token-id lists; afterwards it
-        holds ``tokens``, ``text`` and ``stats``."""
-        return self.start(prompt_ids, cfg)
-
-    def generate(self, prompt_ids: list[int], cfg: GenerationConfig | None = None) -> Generation:
-        """Run a request to the end."""
-        req = self.start(prompt_ids, cfg)
-        for _ in req:
-            pass
-        return Generation(tokens=req.tokens, text=self.final_text(req.tokens, req.cfg.stop), stats=req.stats)
-
-    def final_text(self, tokens: list[int], stop: tuple[str, ...] = ()) -> str:
-        """The whole decoded text, cut before the first stop string."""
-        text = self.decode(tokens)
-        cut = min((text.find(s) for s in stop if s and s in text), default=-1)
-        return text[:cut] if cut >= 0 else text
-
-    def decode(self, tokens: list[int]) -> str:
-        tok = self.backbone.tokenizer
-        return tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
-
-
 class Request:
     """One request in flight: everything that changes while it decodes.
 
     Iterating yields each step's committed token ids; ``tokens`` are all of them,
     ``text`` the text so far (complete characters, cut at a stop string), ``take_text()``
-    the part of it not shown yet that can be shown safely (see ``cadence.detok``).
+    the part of it not shown yet that can be shown safely (see ``cadence.decode.detok``).
     """
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], cfg: GenerationConfig):
+    def __init__(self, engine, prompt_ids: list[int], cfg: GenerationConfig):  # engine: the ``Engine`` it runs on
         bb = engine.backbone
         if not prompt_ids:
             raise CadenceError("empty prompt")
@@ -419,7 +281,7 @@ class Request:
 
     def _draft(self, tree, dynamic=None, remaining: int = 0) -> Draft:
         """The drafter fills ``tree``; ``Draft.tree`` is the tree that runs (nodes it could not
-        fill are gone). ``dynamic``: a ``dynamic_tree.DynamicTree`` to grow instead, with head
+        fill are gone). ``dynamic``: a ``grow.DynamicTree`` to grow instead, with head
         drafters (then ``tree`` is ignored), at most ``remaining - 1`` levels deep; its context
         copies come back as ``Draft.copy_nodes``."""
         drafter = self.engine.drafter

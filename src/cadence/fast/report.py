@@ -19,7 +19,15 @@ import platform
 import sys
 from importlib import metadata
 
+import torch
+
+from cadence.fast import native
+from cadence.fast.gguf import AUTO
 from cadence.system import cache as disk_cache
+from cadence.system.machine import (
+    cpu_flags, cpu_model, git_commit, has_amx, isa, isa_env, isa_limits, ISA_MARCH, isa_mismatch, native_bf16,
+    onednn_available, ram_gib,
+)
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
@@ -33,8 +41,6 @@ def _version(pkg: str) -> str | None:
 
 def auto_dtype() -> tuple[str, str]:
     """(dtype, reason) that ``--dtype auto`` takes on this CPU for a fast-decoder model."""
-    from cadence.fast.cpu import native_bf16, onednn_available
-
     if os.environ.get("CADENCE_CPU_AUTO_DTYPE", "").lower() in ("float32", "fp32"):
         return "float32", "CADENCE_CPU_AUTO_DTYPE=float32 is set"
     if not native_bf16():
@@ -46,8 +52,6 @@ def auto_dtype() -> tuple[str, str]:
 
 def auto_kernels(native_state: str) -> dict:
     """The projection kernel ``auto`` picks per dtype, without building anything."""
-    from cadence.fast.cpu import has_amx, onednn_available
-
     dense = "onednn" if onednn_available() else "aten"
     bf16 = dense
     if has_amx() and os.environ.get("CADENCE_AMX", "1") != "0":
@@ -58,9 +62,6 @@ def auto_kernels(native_state: str) -> dict:
 def forced_isa() -> dict:
     """``CADENCE_ISA``: the instruction set forced (``native`` when unset), what the native
     extension is compiled for, and what is wrong with the switch in this process (None: nothing)."""
-    from cadence.fast import native
-    from cadence.fast.cpu import ISA_MARCH, isa, isa_env, isa_mismatch
-
     try:
         level = isa()
     except ValueError as exc:
@@ -72,13 +73,10 @@ def forced_isa() -> dict:
 def auto_quant(dtype: str) -> tuple[str, str]:
     """(quant, reason) that ``--quant auto`` takes for the default model (a Q4_1 GGUF) with
     ``--dtype auto``, without building anything."""
-    from cadence.fast import native
-
     if dtype != "float32":
         return "none", f"{dtype} kernels (gguf products are fp32; the bf16 ones were faster on the AMX Xeon)"
     if not native.enabled():
         return "none", "the native extension is off (CADENCE_NATIVE=0)"
-    from cadence.fast.gguf import AUTO
 
     if not AUTO:
         return "none", "dense fp32 (the gguf kernel measured slower at 1 row; --quant gguf forces it)"
@@ -88,12 +86,6 @@ def auto_quant(dtype: str) -> tuple[str, str]:
 
 def collect() -> dict:
     """Everything ``cadence env`` reports, as a dict (``--json`` prints it)."""
-    import torch
-
-    from cadence.fast import native
-    from cadence.fast.cpu import cpu_flags, isa_limits
-    from cadence.machine import cpu_model, git_commit, ram_gib
-
     flags = cpu_flags()
     build = native.build_state()
     dtype, why = auto_dtype()
@@ -158,8 +150,6 @@ def format_report(info: dict) -> str:
 
 def run_env(args: argparse.Namespace) -> int:
     if args.build:
-        from cadence.fast import native
-
         if not native.enabled():
             print("cadence: the native build is off (CADENCE_NATIVE=0); nothing to build", file=sys.stderr)
         elif native.module() is None:

@@ -4,7 +4,7 @@ Knows: the predicted and the observed seconds of every step an engine's requests
 took alone (not sharing a batch forward), kept apart for root-alone steps and
 speculative ones. Does not know trees, acceptance or which tree to pick.
 
-The verify latency curve (``cadence.latency``) is probed in isolation: a scored tree
+The verify latency curve (``cadence.costs.latency``) is probed in isolation: a scored tree
 on a fixed context. A real step also drafts, verifies, compacts the cache and commits,
 and the machine may have changed since the probe (a curve cached while another job
 ran). Only the *relative* cost of speculating matters to a scheduler, and it is biased

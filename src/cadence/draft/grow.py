@@ -18,7 +18,7 @@ close to its acceptance rate). Per step, at T = 0:
      tokens are at most the frontier's summed value, its cost one more heads call.
   4. **size**: N is the count maximising expected tokens per second,
      ``(1 + sum of the N values) / (verify(N + 1) + drafting)``, under this machine's verify
-     latency curve (``cadence.latency``), capped at ``max_nodes``; without a curve, ``max_nodes``.
+     latency curve (``cadence.costs.latency``), capped at ``max_nodes``; without a curve, ``max_nodes``.
 
 Verification is unchanged, so output stays identical to plain greedy decoding: only which
 tokens are verified changes.
@@ -32,7 +32,8 @@ and a node's chance to be the accepted child is then exactly the backbone's p(x)
 accepted with the product of p along it, which the product of the drafter's tempered
 probabilities estimates, as at T = 0.
 
-Knows: the drafter's heads, context copies and context vocabulary (through ``HeadDrafter``).
+Knows: the drafter's heads, context copies and context vocabulary, through ``HeadDrafter``'s
+public drafting calls (``begin``, ``logits``, ``heads``, ``copy``); ``HeadDrafter.draft_dynamic`` calls it.
 Does not know: verification, schedulers, or where the latency curve comes from.
 """
 
@@ -45,10 +46,10 @@ from typing import Callable
 
 import torch
 
-from cadence.context_copy import NgramIndex
-from cadence.drafter import Draft, DraftState, HeadDrafter
-from cadence.sampling import SamplingParams, probs
-from cadence.trees import CompiledTree, compile_tree
+from cadence.draft.context_copy import NgramIndex
+from cadence.draft.base import Draft, DraftState, GrowingDrafter
+from cadence.verify.sampling import SamplingParams, probs
+from cadence.trees.tree import CompiledTree, compile_tree
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def to_draft(root: int, chosen: list[_Cand], device) -> Draft:
 
 
 @torch.inference_mode()
-def head_levels(drafter: HeadDrafter, spec: DynamicTree) -> int:
+def head_levels(drafter: GrowingDrafter, spec: DynamicTree) -> int:
     """Levels the heads draft: ``spec.depth`` for heads that serve any depth (eagle's one
     layer), else at most their K. Example: eagle K = 3, depth 5 -> 5; hydra K = 3 -> 3."""
     if spec.depth <= 0:
@@ -158,7 +159,7 @@ def head_levels(drafter: HeadDrafter, spec: DynamicTree) -> int:
     return spec.depth if getattr(drafter.heads, "any_depth", False) else min(spec.depth, drafter.num_heads)
 
 
-def draft_dynamic(drafter: HeadDrafter, spec: DynamicTree, root: int, hidden: torch.Tensor, context: list[int],
+def draft_dynamic(drafter: GrowingDrafter, spec: DynamicTree, root: int, hidden: torch.Tensor, context: list[int],
                   limit: int, copies: NgramIndex | None = None, state: DraftState | None = None,
                   sampling: SamplingParams | None = None) -> Draft:
     """A dynamic tree (module docstring). hidden: (d,) state that produced ``root``; limit:
@@ -174,7 +175,7 @@ def draft_dynamic(drafter: HeadDrafter, spec: DynamicTree, root: int, hidden: to
     if copies is not None:
         copies.sync(list(context) + [root])
     attends = getattr(heads, "attends", False)
-    ctx = drafter._begin(state, hidden, context, root) if attends else None
+    ctx = drafter.begin(state, hidden, context, root) if attends else None
     extra = drafter.context_vocab.extra_ids(context, root) if drafter.context_vocab is not None else None
     extra = (extra, heads.lm_rows(extra)) if extra is not None else None
     log_conf = (math.log(spec.copy_conf), math.log(spec.copy_run_conf))
@@ -209,7 +210,7 @@ def draft_dynamic(drafter: HeadDrafter, spec: DynamicTree, root: int, hidden: to
     return to_draft(root, chosen[:n], device)
 
 
-def _head_children(drafter: HeadDrafter, frontier: list[_Cand], depth: int, state_of, ctx, extra,
+def _head_children(drafter: GrowingDrafter, frontier: list[_Cand], depth: int, state_of, ctx, extra,
                    k: int, next_id: int, sampling: SamplingParams | None = None) -> list[_Cand]:
     """The top-k children of each frontier node at ``depth`` (one batched heads call); node
     states go into ``state_of`` for the next level. At T > 0 the children and their values
@@ -224,7 +225,7 @@ def _head_children(drafter: HeadDrafter, frontier: list[_Cand], depth: int, stat
         feats = heads.tree_logits_features(depth + 1, states)
     else:
         feats, states = heads.step_features(depth + 1, prev, toks)
-    logits, vocab_ids = drafter._logits(feats, extra)  # (P, V'), (V',) or None
+    logits, vocab_ids = drafter.logits(feats, extra)  # (P, V'), (V',) or None
     if sampling is None or sampling.greedy:
         logp = torch.log_softmax(logits.float(), dim=-1)
     else:
