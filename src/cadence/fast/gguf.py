@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
-from cadence.fast.kernels import Linear
+from cadence.fast.kernels import Linear, gguf_int8
 
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
 # whether ``--quant auto`` takes ``gguf`` where it can run (fp32: CPUs without native bf16): yes.
@@ -45,8 +45,6 @@ AUTO = True
 
 def describe() -> str:
     """What ``--quant gguf`` computes, for ``quant_reason``."""
-    from cadence.fast.kernels import gguf_int8
-
     if gguf_int8():
         return ("the GGUF file's own blocks, activations rounded to 8 bits per block of 32 as llama.cpp does "
                 "(gemm_qi.cpp; CADENCE_GGUF_INT8=0: fp32 activations)")
