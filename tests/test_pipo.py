@@ -130,6 +130,24 @@ def test_training_forward_reads_what_batched_rollouts_wrote(bb):
             torch.testing.assert_close(batched[0, :len(sizes)], alone[0], atol=1e-4, rtol=1e-3)
 
 
+
+@pytest.mark.parametrize("pair_grad", [False, True])
+def test_pair_head_loss_reaches_the_adapter_only_when_asked(bb, pair_grad):
+    """By default the pair-out head's KL trains that head alone: its gradient must not move the
+    adapter or the compressor (on SmolLM2-135M it made the compressed prompt worse)."""
+    from cadence.pipo.train import student_losses, teacher_logprobs
+
+    st = _perturb(Student(bb), seed=5).train()
+    toks = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    seqs = [(toks, 4, prompt_groups(4) + [PAIR, PAIR, PAIR])]
+    teacher = teacher_logprobs(st.base, [(toks, 4)], bf16=False)
+    losses, _ = student_losses(st, seqs, teacher, False, torch.Generator().manual_seed(0), pair_grad)
+    losses["kl_pair"].backward()
+    moved = [p.grad is not None and bool(p.grad.abs().sum() > 0)
+             for p in list(st.lora_parameters().values()) + list(st.compressor.parameters())]
+    assert any(moved) == pair_grad
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in st.pair_head.parameters())
+
 # ---------------------------------------------------------------- decoding modes
 
 

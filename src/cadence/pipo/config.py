@@ -90,6 +90,9 @@ class TrainPipoConfig:
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decay floor, as a share of --lr"})
     grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
     pair_head_weight: float = field(default=1.0, metadata={"help": "weight of the pair-out head's KL"})
+    pair_grad: bool = field(default=False, metadata={
+        "help": "let the pair-out head's KL train the adapter and compressor too (off: it trains the head "
+                "alone; on SmolLM2-135M its gradient made the compressed prompt worse)"})
     confidence_weight: float = field(default=1.0, metadata={"help": "weight of the confidence head's BCE"})
     checkpoint_every: int = field(default=20, metadata={"help": "steps between checkpoints (resumable)"})
     snapshots: tuple[int, ...] = field(default=(25, 50, 100, 200), metadata={

@@ -128,9 +128,10 @@ def _kl(lp_t: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
 
 
 def student_losses(student, seqs: list[tuple[list[int], int, list[int]]], teacher: list[torch.Tensor],
-                   bf16: bool, gen: torch.Generator) -> tuple[dict, dict]:
+                   bf16: bool, gen: torch.Generator, pair_grad: bool = False) -> tuple[dict, dict]:
     """Losses (tensors) and metrics (floats) of one batch. seqs: (tokens, Lp, group sizes) with
-    the prompt grouped by ``prompt_groups``; teacher: ``teacher_logprobs`` of the same seqs."""
+    the prompt grouped by ``prompt_groups``; teacher: ``teacher_logprobs`` of the same seqs.
+    pair_grad: the pair head's KL also trains the adapter and compressor (else the head alone)."""
     s, dev = student, student.base.device
     ids, sizes, mask, pos = (t.to(dev) for t in pad_batch([pack(t, z) for t, _, z in seqs], left=False))
     lm_idx, lm_tgt, mt_idx, mt_tok, mt_tgt = [], [], [], [], []
@@ -153,7 +154,7 @@ def student_losses(student, seqs: list[tuple[list[int], int, list[int]]], teache
         mi = torch.tensor(mt_idx, device=dev)
         h_mt = hid[mi[:, 0], mi[:, 1]]
         a = torch.tensor(mt_tok, device=dev)
-        g_mt = s.pair_state(h_mt, a)
+        g_mt = s.pair_state(h_mt if pair_grad else h_mt.detach(), a)
         lq2 = torch.log_softmax(s.lm_logits(g_mt), -1)
     lp_lm, lp_mt = torch.stack(lm_tgt), torch.stack(mt_tgt)
     kl_lm, kl_pair = _kl(lp_lm, lq), _kl(lp_mt, lq2)
@@ -278,7 +279,7 @@ class PipoRun:
         seqs = self.batch()
         t1 = time.perf_counter()
         teacher = teacher_logprobs(self.student.base, [(t, lp) for t, lp, _ in seqs], cfg.bf16)
-        losses, metrics = student_losses(self.student, seqs, teacher, cfg.bf16, self.gen)
+        losses, metrics = student_losses(self.student, seqs, teacher, cfg.bf16, self.gen, cfg.pair_grad)
         loss = losses["kl_lm"] + cfg.pair_head_weight * losses["kl_pair"] + cfg.confidence_weight * losses["bce_conf"]
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
