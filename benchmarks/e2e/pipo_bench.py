@@ -177,6 +177,31 @@ def nll_phase(bb, students, args) -> dict:
     return out
 
 
+def tables(r: dict) -> str:
+    """The run's numbers as markdown tables (decoding, time to first token, NLL, GSM8K)."""
+    out = ["| Method | tok/s | x plain | per-token ms | x plain | tokens/forward | identical | prefix agreement | repetition |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for k, v in r["decode"]["summary"].items():
+        out.append(f"| {k} | {v['tokens_per_s']:.1f} | {v['speedup_tok_s']:.2f} | {v['per_token_ms']:.1f} | "
+                   f"{v['speedup_per_token']:.2f} | {v['tokens_per_forward']:.2f} | {v['identical']:.2f} | "
+                   f"{v['prefix_share']:.3f} | {v['repetition']:.3f} |")
+    if r.get("ttft"):
+        labs = list(next(iter(r["ttft"].values()))["speedup"])
+        out += ["", "| Prompt tokens | plain TTFT s | " + " | ".join(f"{lab} TTFT s | x plain | prefix agreement"
+                                                                        for lab in labs) + " |",
+                "|---:|---:|" + "---:|---:|---:|" * len(labs)]
+        for v in r["ttft"].values():
+            out.append(f"| {v['prompt_tokens']} | {v['ttft_s']['plain']:.3f} | " + " | ".join(
+                f"{v['ttft_s'][lab]:.3f} | {v['speedup'][lab]:.2f} | {v['prefix_share'][lab]:.2f}" for lab in labs) + " |")
+    if r.get("nll"):
+        out += ["", "| Reader | NLL of teacher replies (nats/token) | tokens |", "|---|---:|---:|"]
+        out += [f"| {k} | {v['nll']:.3f} | {v['tokens']} |" for k, v in r["nll"].items()]
+    if r.get("gsm8k"):
+        out += ["", "| GSM8K | correct | n | accuracy |", "|---|---:|---:|---:|"]
+        out += [f"| {k} | {v['correct']} | {v['n']} | {v['accuracy']:.3f} |" for k, v in r["gsm8k"].items()]
+    return "\n".join(out) + "\n"
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -236,6 +261,7 @@ def main() -> int:
     ap.add_argument("--keep-tokens", action="store_true", help="store every generation's tokens in the JSON")
     ap.add_argument("--out", default=None, help="JSON path (default runs/pipo-bench.json)")
     ap.add_argument("--plot", default=None, help="PNG path for the speed/quality plot")
+    ap.add_argument("--tables", default=None, help="markdown path for the run's tables")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from cadence.backbone.load import load_backbone
@@ -262,6 +288,9 @@ def main() -> int:
     if args.plot:
         plot(result, Path(args.plot))
         print(f"wrote {args.plot}")
+    if args.tables:
+        Path(args.tables).write_text(tables(result))
+        print(f"wrote {args.tables}")
     del out
     return 0
 

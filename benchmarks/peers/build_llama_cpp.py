@@ -3,6 +3,8 @@
 
     python benchmarks/peers/build_llama_cpp.py             # derive flags, build, install into .venv, check
     python benchmarks/peers/build_llama_cpp.py --dry-run   # only print the derived CMAKE_ARGS
+    python benchmarks/peers/build_llama_cpp.py --isa avx2 --target runs/llama-avx2
+        # an AVX2-only build beside the default one: PYTHONPATH=runs/llama-avx2 cadence bench ...
 
 The x86 instruction-set options of ggml are derived from the `flags` line of /proc/cpuinfo,
 with GGML_NATIVE=OFF (a `-march=native` build died with "Illegal instruction" on one of
@@ -55,6 +57,12 @@ X86_OPTIONS: list[tuple[str, tuple[str, ...]]] = [
 # /proc/cpuinfo, tile data granted by arch_prctl, oneDNN's AMX matmuls fine there), as a
 # GGML_NATIVE build did on another machine: AMX stays off unless --amx asks for it.
 AMX_OPTIONS = {"GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"}
+
+# --isa: the flags an AVX2-only / AVX-512 (no VNNI, no bf16) CPU would have, as CADENCE_ISA
+# limits cadence's own kernels (cadence.system.machine), so both sides of a comparison run the
+# same instruction set
+ISA_FLAGS = {"avx2": {"sse4_2", "avx", "avx2", "bmi2", "fma", "f16c"}}
+ISA_FLAGS["avx512"] = ISA_FLAGS["avx2"] | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
 
 # Not instruction sets: skip the multimodal (mtmd/llava) library, which cadence never
 # uses (llama_cpp imports it lazily), to save build time.
@@ -134,11 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=venv_python(), help="interpreter to install into (default: the project's .venv)")
     ap.add_argument("--version", default=VERSION, help=f"llama-cpp-python version (default {VERSION})")
     ap.add_argument("--amx", action="store_true", help="build ggml's AMX kernels too (off: they hit SIGILL here)")
+    ap.add_argument("--isa", choices=sorted(ISA_FLAGS), default=None,
+                    help="limit ggml to this instruction set (the CPU's flags within it), as CADENCE_ISA does")
+    ap.add_argument("--target", default=None,
+                    help="install into this directory instead of the interpreter (load it with PYTHONPATH=DIR)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs (default: all cores)")
     args = ap.parse_args(argv)
 
     flags = cpu_flags()
     x86 = is_x86()
+    if args.isa:
+        if not x86:
+            print("--isa applies to x86 CPUs only", file=sys.stderr)
+            return 2
+        flags &= ISA_FLAGS[args.isa]
     cmake_args = derive_cmake_args(flags, x86, args.amx)
     user_args = os.environ.get("CMAKE_ARGS", "").strip()
     cmake = " ".join(cmake_args + ([user_args] if user_args else []))  # the user's come last and win
@@ -152,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, CMAKE_ARGS=cmake, CMAKE_BUILD_PARALLEL_LEVEL=str(args.jobs), FORCE_CMAKE="1")
     cmd = [args.python, "-m", "pip", "install", "--no-binary", "llama-cpp-python", "--no-cache-dir",
            "--force-reinstall", "--no-deps", f"llama-cpp-python=={args.version}"]
+    if args.target:
+        cmd += ["--target", str(Path(args.target).resolve()), "--upgrade"]
     deps = [args.python, "-m", "pip", "install", f"llama-cpp-python=={args.version}"]
     print("+", shlex.join(cmd), flush=True)
     t0 = time.perf_counter()
@@ -165,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     rc = subprocess.call(deps, env=env)
     if rc != 0:
         return rc
+    run_env = dict(os.environ)
+    if args.target:
+        run_env["PYTHONPATH"] = os.pathsep.join([str(Path(args.target).resolve())] + (
+            [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     for name, code in (("import", CHECK), ("decode", DECODE)):
-        check = subprocess.run([args.python, "-c", code], capture_output=True, text=True)
+        check = subprocess.run([args.python, "-c", code], capture_output=True, text=True, env=run_env)
         if check.returncode != 0:
             why = " (SIGILL: an instruction this CPU cannot run; check the flags above)" if check.returncode == -4 else ""
             print(f"{name} check failed, exit {check.returncode}{why}\n{check.stderr[-2000:]}", file=sys.stderr)
