@@ -247,3 +247,48 @@ def test_fused_residual_add_and_norm_give_the_two_calls_bits(dtype):
     assert torch.equal(s1, s[1:2, 4:5]) and torch.equal(h1, h[1:2, 4:5])
     with pytest.raises(RuntimeError, match="add_rms_norm"):
         ops.add_rms_norm(x, d[:, :3], w, 1e-5)
+
+
+@pytest.mark.slow
+@needs_native
+@pytest.mark.parametrize("level", ["avx2", "x86-64"])
+def test_the_avx2_and_generic_builds_of_the_fused_ops_give_the_native_bits(level):
+    """rms_norm, add_rms_norm, rope, silu_mul and argmax_rows as CADENCE_ISA=avx2 builds them
+    (16-float values as two 256-bit registers) and for plain x86-64 (GCC's vector form, SSE):
+    bit for bit the native build's, NaN, infinities and denormals included. Minutes to compile
+    each build (one CADENCE_ISA made already is reused)."""
+    import platform
+
+    from cadence.system.machine import _hardware_flags
+
+    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in _hardware_flags():
+        pytest.skip("x86-64 with AVX2 only")
+    ops = native.module()
+    other = native.build_for(level) if level != "x86-64" else native.build_variant("cadence_layers_x86_64", level)
+    gen = torch.Generator().manual_seed(11)
+
+    def same(a, b):  # bits, NaN for NaN
+        nan = b.isnan()
+        return torch.equal(a.isnan(), nan) and torch.equal(a[~nan], b[~nan])
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(3, 5, 576, generator=gen) * 3).to(dtype)
+        x[0, 1, 7], x[1, 2, 3], x[2, 0, 9] = float("nan"), float("inf"), 1e-39
+        d = torch.randn(3, 5, 576, generator=gen).to(dtype)
+        w = (torch.randn(576, generator=gen) * 0.5 + 1).to(dtype)
+        assert same(other.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5)), dtype
+        for a, b in zip(other.add_rms_norm(x, d, w, 1e-5), ops.add_rms_norm(x, d, w, 1e-5)):
+            assert same(a, b), dtype
+        q = torch.randn(2, 7, 9, 64, generator=gen).to(dtype)
+        cos, sin = (torch.randn(2, 7, 1, 64, generator=gen).to(dtype) for _ in range(2))
+        assert same(other.rope(q, cos, sin), ops.rope(q, cos, sin)), dtype
+        gu = (torch.randn(4, 2 * 1536 + 2 * 37, generator=gen) * 6).to(dtype)[:, :2 * 1536].contiguous()
+        gu[0, :5] = torch.tensor([100.0, -100.0, 0.0, -0.0, -90.0])
+        gu[1, 3] = float("nan")
+        assert same(other.silu_mul(gu), ops.silu_mul(gu)), dtype
+        gu37 = (torch.randn(3, 2 * 37, generator=gen) * 4).to(dtype)
+        assert same(other.silu_mul(gu37), ops.silu_mul(gu37)), dtype
+        logits = torch.randn(4, 49152 + 5, generator=gen).to(dtype)
+        logits[1, 100] = float("nan")
+        logits[2, 7] = logits[2, 8] = 50.0
+        assert torch.equal(other.argmax_rows(logits), ops.argmax_rows(logits)), dtype

@@ -155,7 +155,7 @@ int64_t argmax_row(const T* x, int64_t V) {
   int64_t j = 0;
   for (; j + vec::LANES <= V; j += vec::LANES) {
     const vec::v16 v = vec::load(x + j);
-    mx = v > mx ? v : mx;
+    mx = vec::select(v > mx, v, mx);
     nan |= v != v;
   }
   float top = -INFINITY;

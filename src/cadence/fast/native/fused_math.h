@@ -21,10 +21,9 @@ namespace fm {
 // as c10::BFloat16 does); fp32 as is
 inline vec::v16 round_to(vec::v16 x, float*) { return x; }
 inline vec::u16w bf16_bits_slow(vec::v16 x) {  // the rounding as integer lanes (any input)
-  vec::u16w u;
-  std::memcpy(&u, &x, sizeof u);
+  const vec::u16w u = vec::as_u16(x);
   const vec::u16w rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  return x != x ? vec::u16w{} + 0x7FC00000u : rounded;
+  return vec::select(x != x, vec::u16w{} + 0x7FC00000u, rounded);
 }
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define CADENCE_BF16_CVT 1
@@ -41,10 +40,7 @@ inline vec::v16 round_to(vec::v16 x, at::BFloat16*) {
     return reinterpret_cast<vec::v16>(w);
   }
 #endif
-  const vec::u16w out = bf16_bits_slow(x);
-  vec::v16 r;
-  std::memcpy(&r, &out, sizeof r);
-  return r;
+  return vec::as_float(bf16_bits_slow(x));
 }
 template <typename T>
 inline vec::v16 round_to(vec::v16 x) { return round_to(x, static_cast<T*>(nullptr)); }
@@ -59,8 +55,7 @@ inline void put(at::BFloat16* out, vec::v16 x) {
     return;
   }
 #endif
-  const vec::h16 h = __builtin_convertvector(bf16_bits_slow(x) >> 16, vec::h16);
-  std::memcpy(out, &h, sizeof h);
+  vec::store_u16(reinterpret_cast<uint16_t*>(out), bf16_bits_slow(x) >> 16);
 }
 
 // exp(x) for x <= 0: n = round(x / ln 2), r = x - n ln 2 (Cephes' two-part constant),
@@ -77,7 +72,7 @@ inline vec::v16 exp_fused(vec::v16 x) {
   const vec::v16 n = reinterpret_cast<vec::v16>(_mm512_roundscale_ps(
       _mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
-  x = x < -87.0f ? splat(-87.0f) : x;  // NaN compares false: stays
+  x = vec::select(x < -87.0f, splat(-87.0f), x);  // NaN compares false: stays
   const vec::v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
 #endif
   vec::v16 r = fma(n, splat(-0.693359375f), x);
@@ -91,24 +86,16 @@ inline vec::v16 exp_fused(vec::v16 x) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vec::v16>(_mm512_scalef_ps(reinterpret_cast<__m512>(y), reinterpret_cast<__m512>(n)));
 #else
-  const vec::i16 e = (__builtin_convertvector(n, vec::i16) + 127) << 23;  // NaN lanes: y is NaN already
-  vec::v16 scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return y * scale;
+  return y * vec::as_float((vec::to_int(n) + 127) << 23);  // NaN lanes: y is NaN already
 #endif
 }
 
 // silu(a) = a * sigmoid(a), sigmoid from e = exp(-|a|): 1 / (1 + e) for a >= 0, e / (1 + e)
 // below; lane-wise IEEE operations only (the same bits for any vector width)
 inline vec::v16 silu16(vec::v16 a) {
-  vec::u16w bits;
-  std::memcpy(&bits, &a, sizeof bits);
-  bits |= 0x80000000u;  // -|a|
-  vec::v16 neg;
-  std::memcpy(&neg, &bits, sizeof neg);
-  const vec::v16 e = exp_fused(neg);
+  const vec::v16 e = exp_fused(vec::as_float(vec::as_u16(a) | 0x80000000u));  // exp(-|a|)
   const vec::v16 s = 1.0f / (e + 1.0f);
-  return a * (a >= 0 ? s : e * s);
+  return a * vec::select(a >= 0, s, e * s);
 }
 
 }  // namespace fm

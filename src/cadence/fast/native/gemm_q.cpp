@@ -40,6 +40,7 @@
 
 #include "gemm_q.h"
 
+#define CADENCE_VEC_GENERIC  // byte vectors converted by __builtin_convertvector: GCC's vector form
 #include "vec16.h"
 
 #include <ATen/Parallel.h>
