@@ -31,7 +31,8 @@ import common  # noqa: E402
 from cadence.bench.metrics import repetition_ratio  # noqa: E402
 from cadence.pipo.decode import PipoDecoder  # noqa: E402
 from cadence.pipo.evaluate import agreement, reply_nll  # noqa: E402
-from cadence.pipo.student import load_student  # noqa: E402
+from cadence.pipo.config import StudentConfig  # noqa: E402
+from cadence.pipo.student import load_student, Student  # noqa: E402
 
 
 @torch.inference_mode()
@@ -242,7 +243,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pipo", nargs="+", required=True, help="LABEL=DIR of PIPO directories (several budgets)")
+    ap.add_argument("--pipo", nargs="+", required=True,
+                    help="LABEL=DIR of PIPO directories (several budgets); LABEL=untrained: a new, untrained student")
     ap.add_argument("--model", default="smollm2", help="backbone")
     ap.add_argument("--data", default="data/selfdistill/smollm2", help="store (val split: prompts and NLL)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -272,6 +274,9 @@ def main() -> int:
     students, steps = {}, {}
     for spec in args.pipo:
         lab, _, d = spec.partition("=")
+        if d == "untrained":  # zero adapter and corrections: the compressor keeps each pair's second token
+            students[lab], steps[lab] = Student(bb, StudentConfig()).eval(), 0
+            continue
         students[lab], meta = load_student(bb, d)
         steps[lab] = meta.get("training", {}).get("step")
     t0 = time.time()
