@@ -136,7 +136,8 @@ def test_llama_cpp_peer_with_a_fake_module(tiny, tmp_path, monkeypatch):
             yield from hi + [256, 300]
 
     hi = tiny.tokenizer.encode("hi", add_special_tokens=False)
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(
+        Llama=FakeLlama, __version__="9.9", llama_print_system_info=lambda: b"AVX2 = 1 |  AVX512 = 0 |"))
     import cadence.bench.peers as peers
     monkeypatch.setattr(peers, "llama_cpp_decodes", lambda gguf: (True, ""))  # no child process
     gguf = tmp_path / "m.gguf"
@@ -145,6 +146,7 @@ def test_llama_cpp_peer_with_a_fake_module(tiny, tmp_path, monkeypatch):
     g = peer.generate([1, 2, 3], GenerationConfig(max_new_tokens=10))
     assert g.tokens == hi + [256] and g.text == "hi" and g.stats.new_tokens == 3
     assert peer.generate([1], GenerationConfig(max_new_tokens=1)).tokens == hi[:1]
+    assert peer.build == "llama.cpp: llama-cpp-python 9.9, 2 threads; AVX2 = 1 | AVX512 = 0 |"  # in the report's notes
     with pytest.raises(CadenceError, match="GGUF"):
         make_peer("llama.cpp", tiny, str(tmp_path))
 

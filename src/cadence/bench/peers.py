@@ -87,6 +87,16 @@ def _parameters(fn) -> set[str]:
         return set()
 
 
+def build_note(llama_cpp, threads: int) -> str:
+    """Which llama.cpp build ran, for the report's notes (a build limited to AVX2 on PYTHONPATH is
+    not the installed one): version, directory, threads and its instruction flags."""
+    info = getattr(llama_cpp, "llama_print_system_info", lambda: b"")()
+    info = " ".join((info.decode() if isinstance(info, bytes) else str(info)).split())
+    where = getattr(llama_cpp, "__file__", None)
+    return (f"llama.cpp: llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
+            + (f" from {Path(where).parent}" if where else "") + f", {threads} threads" + (f"; {info}" if info else ""))
+
+
 class LlamaCpp:
     """llama-cpp-python on a GGUF file (plain decoding, 2 threads)."""
 
@@ -102,6 +112,7 @@ class LlamaCpp:
             kw["n_threads_batch"] = threads
         self.llm = llama_cpp.Llama(**kw)
         self.eos = {int(self.llm.token_eos())} | set(backbone.eos_token_ids)
+        self.build = build_note(llama_cpp, threads)
 
     def generate(self, prompt_ids: list[int], cfg: GenerationConfig) -> Generation:
         greedy = cfg.sampling.greedy

@@ -323,6 +323,8 @@ def build_engines(entries: list[MethodEntry], backbone, cfg: BenchConfig) -> tup
             continue
         try:
             engines[e.label] = make_peer(e.label, backbone, cfg.model)
+            if getattr(engines[e.label], "build", None):
+                notes.append(engines[e.label].build)
         except CadenceError as exc:
             if e.label != "llama.cpp":
                 raise
