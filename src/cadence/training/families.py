@@ -1,41 +1,32 @@
 """The broader prompt families of self-distillation: translation, summarize, extract,
 chat-context, passage-qa, roleplay, stem and humanities.
 
-Knows: how each family builds its prompts, all offline: passages and sentences from the
-training split of ShareGPT (assistant replies, never a held-out conversation) and from
-Python's own documentation, earlier turns of training conversations, and templates over the
-topic and persona lists of ``cadence.training.topics``; which ShareGPT turns ask for code.
+Knows: how each family builds its prompts, all offline: passages (``cadence.training.passages``:
+ShareGPT training replies, Python's own documentation), sentences of training conversations,
+earlier turns of training conversations, and templates over the topic and persona lists of
+``cadence.training.topics``.
 Does not know: evaluation prompts or how families are mixed (``cadence.training.sources``
 filters and interleaves them), tokenizers, models, shards.
 """
 
 from __future__ import annotations
 
-import ast
 import random
 import re
-import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
-from cadence.prompts import PromptItem, sharegpt_conversations, sharegpt_items
+from cadence.prompts import PromptItem, sharegpt_items
 from cadence.training import topics
+from cadence.training.passages import (
+    ascii_share, is_code_request, is_prose, MARKUP, Passage, python_doc_passages, SENTENCE_END, sharegpt_passages,
+    train_conversations,
+)
+
 
 @lru_cache(maxsize=1)
 def _sharegpt_train() -> tuple[PromptItem, ...]:
     return tuple(sharegpt_items("train"))
-
-
-_CODE_REQUEST = re.compile(
-    r"```|\b(?:python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|html|css|regex|bash|php|kotlin|"
-    r"react|node\.?js|pandas|numpy|django|flask)\b|\b(?:write|create|implement|fix|debug|refactor|optimi[sz]e|"
-    r"explain|convert)\b[^\n]{0,80}\b(?:code|function|script|program|class|method|query|algorithm)\b", re.IGNORECASE)
-
-
-def is_code_request(prompt: str) -> bool:
-    return bool(_CODE_REQUEST.search(prompt[:1000]))
 
 
 # ---------------------------------------------------------------- shuffling (shared with sources' mixing)
@@ -54,119 +45,6 @@ def _alternate(lists: list[list[PromptItem]]) -> Iterator[PromptItem]:
         for x in lists:
             if i < len(x):
                 yield x[i]
-
-
-# ---------------------------------------------------------------- shared pools for the newer families
-#
-# Passages and sentences come from the training split of ShareGPT (assistant replies, never a
-# held-out conversation) and from Python's own documentation (``pydoc_data.topics``: the
-# language reference as ``help()`` shows it; module docstrings of the standard library).
-
-_PASSAGE_MIN, _PASSAGE_MAX = 250, 800  # characters: a passage plus its instruction fits 256 prompt tokens
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
-_MARKUP = re.compile(r"```|https?://|\|.*\||<[a-z/][^>]*>|\{\{|\}\}|\\[a-z]", re.IGNORECASE)
-_REFUSAL = re.compile(r"^(?:i'?m sorry|i am sorry|as an ai|i apologi[sz]e|i'?m not able|i cannot|i can't)", re.IGNORECASE)
-
-
-# a reply's conversational first sentence ("Sure! ...", "Of course, I'd be happy to help."), cut off a passage
-_OPENER = re.compile(r"^(?:sure|of course|certainly|great|absolutely|okay|ok|alright|yes|no problem|understood|"
-                     r"got it|thank you|thanks|hello|hi|i'd be happy|i would be happy|i understand)\b[^.!?\n]{0,100}"
-                     r"[.!?]+\s*", re.IGNORECASE)
-_SPEAKER = re.compile(r"^[A-Z][\w .'-]{0,30}:\s")  # "As Kyle: ...", "Narrator: ...": a role-played reply
-
-
-@dataclass(frozen=True)
-class Passage:
-    """A passage to summarize, extract from or answer questions over."""
-
-    key: str  # where it comes from, e.g. "sharegpt:ID:3" (turn 3) or "pydoc:assert:0"
-    text: str
-    question: str | None = None  # the human turn this reply answered (ShareGPT only), when short
-
-
-@lru_cache(maxsize=1)
-def _train_conversations() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
-    return tuple((key, tuple(turns)) for key, turns in sharegpt_conversations("train"))
-
-
-def _ascii_share(text: str) -> float:
-    return sum(ch.isascii() for ch in text) / max(len(text), 1)
-
-
-def _is_prose(text: str) -> bool:
-    """English prose without code, tables or markup (lists are fine)."""
-    if _MARKUP.search(text) or _REFUSAL.match(text) or _ascii_share(text) < 0.98:
-        return False
-    letters = sum(ch.isalpha() or ch == " " for ch in text)
-    return letters / max(len(text), 1) >= 0.8 and not is_code_request(text)
-
-
-@lru_cache(maxsize=1)
-def sharegpt_passages() -> tuple[Passage, ...]:
-    """Assistant replies of training ShareGPT conversations that are prose of
-    ``_PASSAGE_MIN``..``_PASSAGE_MAX`` characters; ``question`` is the human turn before it
-    when that is a single line of at most 200 characters."""
-    out = []
-    for key, turns in _train_conversations():
-        for t, (role, text) in enumerate(turns):
-            if role != "assistant":
-                continue
-            text = _OPENER.sub("", text, count=1).lstrip()
-            if not (_PASSAGE_MIN <= len(text) <= _PASSAGE_MAX) or not _is_prose(text) or _SPEAKER.match(text):
-                continue
-            q = turns[t - 1][1] if t and turns[t - 1][0] == "user" else None
-            if q is not None and (len(q) > 200 or "\n" in q or _ascii_share(q) < 0.98 or len(q) < 12):
-                q = None
-            out.append(Passage(key=f"{key}:{t}", text=text, question=q))
-    return tuple(out)
-
-
-def _unwrap(paragraph: str) -> str:
-    lines = paragraph.splitlines()
-    if any(line.startswith((" ", "\t")) for line in lines):  # a code or grammar block: keep its lines
-        return paragraph
-    return " ".join(line.strip() for line in lines)
-
-
-def _chunks(name: str, text: str) -> list[Passage]:
-    """Consecutive paragraphs of ``text`` joined into passages of the passage length."""
-    paras = [p.strip("\n") for p in re.split(r"\n\s*\n", text) if p.strip()]
-    paras = [p for p in paras if not re.fullmatch(r"[^\n]*\n[*=\-^~]{3,}", p.strip())]  # reST titles
-    out, cur = [], []
-    for p in map(_unwrap, paras):
-        if len(p) > _PASSAGE_MAX:
-            cur = []
-            continue
-        if sum(len(x) + 2 for x in cur) + len(p) > _PASSAGE_MAX:
-            cur = []
-        cur.append(p)
-        joined = "\n\n".join(cur)
-        if len(joined) >= _PASSAGE_MIN and sum(not x.startswith(" ") for x in cur):
-            out.append(Passage(key=f"{name}:{len(out)}", text=joined))
-            cur = []
-    return out
-
-
-@lru_cache(maxsize=1)
-def python_doc_passages() -> tuple[Passage, ...]:
-    """Passages of the Python language reference (``pydoc_data.topics``) and of the
-    docstrings of standard-library modules (the interpreter running this)."""
-    out: list[Passage] = []
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # some distributions strip it
-        topics = {}
-    for name in sorted(topics):
-        out += _chunks(f"pydoc:{name}", topics[name])
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.glob("*.py")):
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            continue
-        if doc and not path.name.startswith("_"):
-            out += _chunks(f"pydoc-module:{path.stem}", doc)
-    return tuple(p for p in out if _ascii_share(p.text) >= 0.98)
 
 
 def _pick(rng: random.Random, xs):
@@ -222,18 +100,18 @@ def english_sentences() -> tuple[tuple[str, str], ...]:
     """(key, text): one or two consecutive prose sentences from each training ShareGPT
     assistant reply (40-240 characters, no markup), for English -> X requests."""
     out = []
-    for key, turns in _train_conversations():
+    for key, turns in train_conversations():
         for t, (role, text) in enumerate(turns):
-            if role != "assistant" or _MARKUP.search(text):
+            if role != "assistant" or MARKUP.search(text):
                 continue
             first = text.split("\n", 1)[0].strip()
-            sents = _SENTENCE_END.split(first)
+            sents = SENTENCE_END.split(first)
             rng = _rng(0, "sentences", key, t)
             if not sents:
                 continue
             i = rng.randrange(len(sents))
             s = " ".join(sents[i:i + rng.choice((1, 1, 2))])
-            if 40 <= len(s) <= 240 and s[-1] in ".!?" and s[0].isupper() and _is_prose(s) and ":" not in s:
+            if 40 <= len(s) <= 240 and s[-1] in ".!?" and s[0].isupper() and is_prose(s) and ":" not in s:
                 out.append((f"{key}:{t}", s))
     return tuple(out)
 
@@ -243,12 +121,12 @@ def foreign_texts() -> tuple[tuple[str, str], ...]:
     """(key, text): training ShareGPT turns (human or assistant) not in English
     (``is_foreign``), cut to at most 400 characters at a sentence end, no code."""
     out = []
-    for key, turns in _train_conversations():
+    for key, turns in train_conversations():
         for t, (_, text) in enumerate(turns):
             if "```" in text or len(text) < 20 or not is_foreign(text[:600]):
                 continue
             s = _head(text.strip(), 400)
-            if len(s) >= 20 and is_foreign(s) and not _MARKUP.search(s) and not re.search(r"\[\d+\]", s):
+            if len(s) >= 20 and is_foreign(s) and not MARKUP.search(s) and not re.search(r"\[\d+\]", s):
                 out.append((f"{key}:{t}", s))
     return tuple(out)
 
@@ -449,7 +327,7 @@ def chat_context_items(seed: int = 0) -> list[PromptItem]:
     (human turn and reply, short enough) followed by a templated follow-up. (a) and (b)
     alternate."""
     real, follow = [], []
-    for key, turns in _train_conversations():
+    for key, turns in train_conversations():
         total = 0
         for t, (role, text) in enumerate(turns):
             total += len(text)
@@ -549,7 +427,7 @@ _ROLEPLAY_REQUEST = re.compile(r"\b(?:act as|pretend (?:to be|you are|you're)|ro
 def _sharegpt_human_turns() -> Iterator[tuple[str, str]]:
     """(key, text) of every human turn of the training conversations (first turns ``sharegpt:ID``,
     later ones ``sharegpt:ID:TURN``, the keys of the ``sharegpt`` and ``sharegpt-turns`` sources)."""
-    for key, turns in _train_conversations():
+    for key, turns in train_conversations():
         for t, (role, text) in enumerate(turns):
             if role == "user":
                 yield (key if t == 0 else f"{key}:{t}"), text
@@ -598,7 +476,7 @@ def _classified_turns(pattern: re.Pattern, seed: int, family: str) -> list[Promp
     text matches ``pattern``, under their ShareGPT keys."""
     out = [PromptItem(key=key, prompt=text) for key, text in _sharegpt_human_turns()
            if 20 <= len(text) <= 1000 and pattern.search(text) and not is_code_request(text)
-           and not is_foreign(text) and _ascii_share(text) >= 0.97]
+           and not is_foreign(text) and ascii_share(text) >= 0.97]
     return _shuffled(out, f"{seed}:{family}:sharegpt")
 
 

@@ -15,7 +15,7 @@ class DraftBlock {
   // ln1: the input RMSNorm's weight (none: EAGLE's layer 0); ln2: the post-attention one
   DraftBlock(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, std::optional<at::Tensor> ln1,
              at::Tensor ln2);
-  // the fused projections qkv, o, gate_up, down (``kernels.Linear``; ``native.linear_ints``)
+  // the fused projections qkv, o, gate_up, down (``fast.kernels.Linear``; ``fast.kernels.linear_ints``)
   void set_linears(std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> scales,
                    std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> ints);
   // x (P, d) at rope tables cos, sin (P, 1, D) float32 -> (P, d); the new keys/values go to

@@ -1,4 +1,4 @@
-// ``kernels.Linear`` in C++: the projections' kinds (aten, oneDNN, int8, int4, AMX, GGUF blocks) with its row
+// ``fast.kernels.Linear`` in C++: the projections' kinds (aten, oneDNN, int8, int4, AMX, GGUF blocks) with its row
 // padding and blocking, for the C++ loops (``layers.cpp``, ``draft_block.cpp``). Same calls,
 // same arguments as the Python class: same bits.
 #pragma once
