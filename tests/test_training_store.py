@@ -20,6 +20,7 @@ from cadence.training.store import (
     Store,
     dump_manifest,
     encode_shard,
+    read_shard_meta,
     read_store_shard,
     verify_store,
     write_store_shard,
@@ -49,7 +50,7 @@ def _cfg(out: Path, **kw) -> D.DistillConfig:
 
 def _all_hashes(out: Path) -> list[str]:
     m = json.loads((out / "manifest.json").read_text())
-    return [h for s in m["shards"] for h in s["prompt_hashes"]]
+    return [h for s in m["shards"] for h in read_shard_meta(out / s["file"])["prompt_hashes"]]
 
 
 def test_shard_round_trip(tmp_path):
@@ -118,6 +119,32 @@ def test_append_and_dedupe_by_prompt(env, tmp_path):
     # --max-prompts counts the whole store: nothing more to do
     m2 = D.run_distill(_cfg(out, max_prompts=12), env["backbone"], _items(5, start=100))
     assert m2["prompts_done"] == 14
+
+
+def test_the_manifest_does_not_repeat_the_shards_prompt_hashes(env, tmp_path):
+    """The hashes live in each shard's meta; a manifest that repeated them (47 k prompts:
+    0.9 MiB of a size-capped tree) is slimmed by the next writer and still verified."""
+    out = tmp_path / "store"
+    m = D.run_distill(_cfg(out), env["backbone"], _items(6))
+    assert all("prompt_hashes" not in s for s in m["shards"])
+    assert "prompt_hashes" not in (out / "manifest.json").read_text()
+    # a manifest written the old way: each entry repeats its shard's hashes
+    old = json.loads((out / "manifest.json").read_text())
+    for s in old["shards"]:
+        s["prompt_hashes"] = read_shard_meta(out / s["file"])["prompt_hashes"]
+    (out / "manifest.json").write_text(dump_manifest(old))
+    assert verify_store(out)["sequences"] == 6
+    bad = json.loads(json.dumps(old))
+    bad["shards"][0]["prompt_hashes"] = ["0" * 16]
+    (out / "manifest.json").write_text(dump_manifest(bad))
+    with pytest.raises(CadenceError, match="differ"):
+        verify_store(out)
+    (out / "manifest.json").write_text(dump_manifest(old))
+    # the next writer answers only new prompts and drops the repeated hashes
+    m = D.run_distill(_cfg(out), env["backbone"], _items(8))
+    assert m["prompts_done"] == 8 and all("prompt_hashes" not in s for s in m["shards"])
+    assert sorted(_all_hashes(out)) == sorted(prompt_hash(it.prompt) for _, it in _items(8))
+    assert verify_store(out)["sequences"] == 8
 
 
 def test_long_prompts_are_skipped_once(env, tmp_path):

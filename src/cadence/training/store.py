@@ -1,7 +1,8 @@
 """The self-distillation store: compact token-id shards that accumulate, kept in git.
 
 Knows: the shard file format (``.npz``), the store's manifest (one line per shard, so
-git diffs and merges stay small), which prompts a store already holds (by prompt hash),
+git diffs and merges stay small), which prompts a store already holds (by prompt hash,
+read from the shards' own metadata),
 the writer's lock, and clean-up after an interrupted writer.
 Does not know: models, prompt sources, training.
 
@@ -28,8 +29,12 @@ safetensors shards of older data directories (``tokens`` int32, ``offsets`` int6
 ``prompt_lens`` int32), so every reader goes through ``cadence.training.data.read_shard``.
 
 Each manifest entry records the shard's split, counts, generation ``settings`` (model,
-dtype, max_new_tokens, temperature, mode, topk_logits), ``sources`` (prompts per
-source) and the ``prompt_hashes`` of its sequences (``cadence.prompts.prompt_hash``).
+dtype, max_new_tokens, temperature, mode, topk_logits) and ``sources`` (prompts per
+source). The ``prompt_hashes`` of its sequences (``cadence.prompts.prompt_hash``) live
+in the shard's ``meta`` only: repeating them in the manifest made it 0.9 MiB of a
+size-capped git tree at 47 k prompts. Manifests written before that still carry them
+per entry; a writer drops them when it opens the store, and ``verify_store`` checks any
+that remain against the shard.
 Crash safety: a shard is written to a temporary file and renamed, then the manifest is
 rewritten the same way; a shard file the manifest does not list (the writer died in
 between) and temporary files are deleted when the next writer opens the store. So an
@@ -131,6 +136,15 @@ def read_store_shard(path: str | Path, with_meta: bool = False) -> dict:
     return out
 
 
+def read_shard_meta(path: str | Path) -> dict:
+    """Only the ``meta`` member of a store shard (the other members stay compressed)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return json.loads(z["meta"].tobytes().decode("utf-8")) if "meta" in z.files else {}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
+        raise CadenceError(f"shard {path} is corrupt: {exc}") from exc
+
+
 # ---------------------------------------------------------------- manifest
 
 
@@ -185,6 +199,8 @@ class Store:
                 self.close()
                 raise CadenceError(f"{self.dir} holds data of model {cfg.get('model')!r} (vocabulary "
                                    f"{cfg.get('vocab_size')}), not {model!r} ({vocab_size}); use another --out")
+        for s in manifest["shards"]:  # older manifests repeated the shards' hashes
+            s.pop("prompt_hashes", None)
         self.manifest = manifest
         self.vocab_size = vocab_size
         self._clean()
@@ -211,7 +227,7 @@ class Store:
         """Prompt hashes already answered (or skipped as too long) in this store."""
         done = set(self.manifest.get("skipped_hashes", []))
         for s in self.manifest["shards"]:
-            done.update(s.get("prompt_hashes", []))
+            done.update(read_shard_meta(self.dir / s["file"]).get("prompt_hashes", []))
         return done
 
     def _next_name(self) -> str:
@@ -240,7 +256,7 @@ class Store:
                 counts[src] = counts.get(src, 0) + 1
             entry = {"file": name, "split": split, "sequences": len(seqs), "tokens": n_tok,
                      "reply_tokens": n_reply, "settings": settings, "sources": counts,
-                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "prompt_hashes": hashes}
+                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             m["shards"].append(entry)
             m["sequences"] += len(seqs)
             m["tokens"] += n_tok
@@ -277,7 +293,7 @@ def verify_store(directory: str | Path) -> dict:
         if n != s["sequences"] or int(data["tokens"].numel()) != s["tokens"]:
             raise CadenceError(f"shard {s['file']} does not match its manifest entry")
         hashes = data["meta"].get("prompt_hashes", [])
-        if hashes != s.get("prompt_hashes"):
+        if "prompt_hashes" in s and hashes != s["prompt_hashes"]:
             raise CadenceError(f"shard {s['file']}: prompt hashes differ from the manifest")
         dup = seen.intersection(hashes)
         if dup:
