@@ -10,11 +10,13 @@ with ``--since N`` the train shards from the N-th on (those a shipped drafter ne
 the first N val shards (a cache for fewer shards builds sooner, but held-out rows are packed
 from the shards kept, so the training log's held-out figures are then not comparable with runs
 on every val shard: evaluate on all of them afterwards, as the model card's ``eagle-taps/``
-figures were).
+figures were); ``--val-last N`` adds the last N val shards (e.g. those of newly added prompt
+families).
 
 Usage: python scripts/subset_store.py data/selfdistill/smollm2 runs/sub --every 8 --first 2
        python scripts/subset_store.py data/selfdistill/smollm2 runs/new --since 109
        python scripts/subset_store.py data/selfdistill/smollm2 runs/mix --until 81 --every 4 --val 8   # eagle-taps/
+       python scripts/subset_store.py data/selfdistill/smollm2 runs/broad --since 133 --val 4 --val-last 7
 """
 
 import argparse
@@ -33,6 +35,7 @@ def main() -> None:
                     help="keep only the train shards from the N-th on (overrides --every / --first)")
     ap.add_argument("--until", type=int, default=None, help="keep only train shards before the N-th")
     ap.add_argument("--val", type=int, default=None, help="keep only the first N val shards (default: all)")
+    ap.add_argument("--val-last", type=int, default=0, help="and the last N val shards")
     args = ap.parse_args()
     src, out = Path(args.store).resolve(), Path(args.out)
     m = json.loads((src / "manifest.json").read_text())
@@ -43,7 +46,8 @@ def main() -> None:
         keep = set(train[args.since:])
     else:
         keep = set(train[:args.first]) | set(train[::max(1, args.every)])
-    keep |= set([s["file"] for s in m["shards"] if s.get("split") == "val"][:args.val])
+    val = [s["file"] for s in m["shards"] if s.get("split") == "val"]
+    keep |= set(val[:args.val]) | set(val[len(val) - args.val_last:] if args.val_last else [])
     out.mkdir(parents=True, exist_ok=True)
     for name in keep:
         if not (out / name).exists():
