@@ -123,7 +123,7 @@ def test_append_and_dedupe_by_prompt(env, tmp_path):
 
 def test_the_manifest_does_not_repeat_the_shards_prompt_hashes(env, tmp_path):
     """The hashes live in each shard's meta; a manifest that repeated them (47 k prompts:
-    0.9 MiB of a size-capped tree) is slimmed by the next writer and still verified."""
+    0.75 MiB of a size-capped tree) is slimmed by the next writer and still verified."""
     out = tmp_path / "store"
     m = D.run_distill(_cfg(out), env["backbone"], _items(6))
     assert all("prompt_hashes" not in s for s in m["shards"])

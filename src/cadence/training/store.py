@@ -31,7 +31,7 @@ safetensors shards of older data directories (``tokens`` int32, ``offsets`` int6
 Each manifest entry records the shard's split, counts, generation ``settings`` (model,
 dtype, max_new_tokens, temperature, mode, topk_logits) and ``sources`` (prompts per
 source). The ``prompt_hashes`` of its sequences (``cadence.prompts.prompt_hash``) live
-in the shard's ``meta`` only: repeating them in the manifest made it 0.9 MiB of a
+in the shard's ``meta`` only: repeating them in the manifest made 0.75 of its 0.94 MiB in a
 size-capped git tree at 47 k prompts. Manifests written before that still carry them
 per entry; a writer drops them when it opens the store, and ``verify_store`` checks any
 that remain against the shard.
