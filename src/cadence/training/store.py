@@ -129,20 +129,26 @@ def read_store_shard(path: str | Path, with_meta: bool = False) -> dict:
         out["topk_ids"] = torch.from_numpy(arrays["topk_ids"].astype(np.int32))
         out["topk_logits"] = torch.from_numpy(arrays["topk_logits"].astype(np.float16))
     if with_meta:
-        try:
-            out["meta"] = json.loads(arrays["meta"].tobytes().decode("utf-8")) if "meta" in arrays else {}
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CadenceError(f"shard {path} is corrupt: bad metadata ({exc})") from exc
+        out["meta"] = _decode_meta(arrays.get("meta"), path)
     return out
+
+
+def _decode_meta(meta: np.ndarray | None, path) -> dict:
+    """The ``meta`` member's JSON ({} when a shard has none)."""
+    try:
+        return json.loads(meta.tobytes().decode("utf-8")) if meta is not None else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CadenceError(f"shard {path} is corrupt: bad metadata ({exc})") from exc
 
 
 def read_shard_meta(path: str | Path) -> dict:
     """Only the ``meta`` member of a store shard (the other members stay compressed)."""
     try:
         with np.load(path, allow_pickle=False) as z:
-            return json.loads(z["meta"].tobytes().decode("utf-8")) if "meta" in z.files else {}
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
+            meta = z["meta"] if "meta" in z.files else None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise CadenceError(f"shard {path} is corrupt: {exc}") from exc
+    return _decode_meta(meta, path)
 
 
 # ---------------------------------------------------------------- manifest
