@@ -3,7 +3,7 @@
 What must hold: ``q_pack`` keeps every byte (``q_unpack`` gives the file's rows back, the
 weights dequantize as before); ``q_linear`` on packed rows equals, bit for bit, a numpy model of
 the arithmetic the file's header states (activations rounded to 8 bits per block of 32, exact
-integer block sums, fp32 scaling in 16 lanes, the fixed lane total); a row's bits do not depend
+integer block sums, one fp32 accumulator per output over the blocks in order); a row's bits do not depend
 on the other rows, the row count or the thread count; and (slow) the AVX2 and AVX-512 builds
 give the same bits. Blocks are made here with numpy and ``gguf`` (no model download).
 """
@@ -56,13 +56,6 @@ def fma(a, b, c):
     return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(f32)
 
 
-def total(v: np.ndarray) -> np.ndarray:
-    """(..., 16) -> (...): lanes added 8, 4, 2, 1 apart."""
-    v = v[..., :8] + v[..., 8:]
-    v = v[..., :4] + v[..., 4:]
-    return (v[..., 0] + v[..., 2]) + (v[..., 1] + v[..., 3])
-
-
 def reference(x: np.ndarray, b: torch.Tensor, qtype, bias) -> np.ndarray:
     """The header's arithmetic in numpy: x (m, k) float32 -> (m, out) float32."""
     m_rows, k = x.shape
@@ -73,28 +66,20 @@ def reference(x: np.ndarray, b: torch.Tensor, qtype, bias) -> np.ndarray:
     with np.errstate(divide="ignore"):
         idx = np.where(d_x != 0, f32(1) / d_x, f32(0)).astype(f32)
     q_x = np.rint(xb * idx[..., None]).astype(np.int64)
-    s_x = (d_x * q_x.sum(-1).astype(f32)).astype(f32)
+    s_x = (d_x * q_x.sum(-1).astype(f32)).astype(f32)  # (m, nb)
+    if qtype == T.Q4_0:
+        s_x = (s_x * f32(-8)).astype(f32)
     q_w, d_w, m_w = fields(b, qtype, k)
-    out = q_w.shape[0]
-    # lane 4 i + t of block b's region: products of weights 4t..4t+3 and 16+4t..16+4t+3
-    prod = np.einsum("onk,rnk->ronk", q_w, q_x).reshape(m_rows, out, nb, 2, 4, 4).sum(axis=(3, 5))  # (r, o, nb, t)
-    acc = np.zeros((m_rows, out, 16), dtype=f32)
-    for b0 in range(0, nb, 4):
-        n = min(4, nb - b0)
-        lanes = slice(0, 4 * n)
-        isum = prod[:, :, b0:b0 + n, :].reshape(m_rows, out, 4 * n).astype(f32)
-        dd = (np.repeat(d_w[:, b0:b0 + n], 4, axis=-1)[None] * np.repeat(d_x[:, b0:b0 + n], 4, axis=-1)[:, None]).astype(f32)
-        acc[..., lanes] = fma(isum, dd, acc[..., lanes])
-        if qtype != T.Q8_0:  # s (Q4_0: -8 s) at lane 4 i, 0 elsewhere; m (Q4_0: d) spread
-            ss = np.zeros((m_rows, 4 * n), dtype=f32)
-            ss[:, ::4] = s_x[:, b0:b0 + n] * (f32(-8) if qtype == T.Q4_0 else f32(1))
-            mv = np.repeat(m_w[:, b0:b0 + n], 4, axis=-1)
-            acc[..., lanes] = fma(np.broadcast_to(mv[None], acc[..., lanes].shape),
-                                  np.broadcast_to(ss[:, None], acc[..., lanes].shape), acc[..., lanes])
-    y = total(acc)
+    isum = np.einsum("onk,rnk->ron", q_w, q_x).astype(f32)  # (r, o, nb): exact block sums
+    acc = np.zeros((m_rows, q_w.shape[0]), dtype=f32)
+    for blk in range(nb):  # in order, one fp32 accumulator per output
+        dd = (d_w[None, :, blk] * d_x[:, None, blk]).astype(f32)
+        acc = fma(isum[..., blk], dd, acc)
+        if qtype != T.Q8_0:
+            acc = fma(np.broadcast_to(m_w[None, :, blk], acc.shape), np.broadcast_to(s_x[:, None, blk], acc.shape), acc)
     if bias is not None:
-        y = (y + bias.numpy()[None]).astype(f32)
-    return y
+        acc = (acc + bias.numpy()[None]).astype(f32)
+    return acc
 
 
 def packed(b: torch.Tensor, qtype, k: int):
@@ -104,7 +89,7 @@ def packed(b: torch.Tensor, qtype, k: int):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [64, 576, 640])  # regions: one half; 4 whole + a half; 5 whole
+@pytest.mark.parametrize("k", [32, 64, 576, 640])
 def test_pack_keeps_every_byte(qtype, k):
     b = blocks(weights(24, k, int(qtype)), qtype)
     p, pt = packed(b, qtype, k)
@@ -115,7 +100,7 @@ def test_pack_keeps_every_byte(qtype, k):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [64, 576, 640, 1536])
+@pytest.mark.parametrize("k", [32, 96, 576, 1536])
 def test_products_are_the_stated_arithmetic_bit_for_bit(qtype, k):
     out = 40
     b = blocks(weights(out, k, int(qtype) + k), qtype)
@@ -155,11 +140,23 @@ def test_rows_do_not_depend_on_the_other_rows_or_threads(qtype):
 
 
 @needs_kernel
-def test_unpackable_shapes_keep_the_file_layout():
-    b = blocks(weights(8, 96, 3), T.Q4_1)  # 3 blocks: odd, the fp32 kernel runs it
-    assert ops.q_packed_type(int(T.Q4_1), 96) == int(T.Q4_1)
-    assert ops.q_pack(b, int(T.Q4_1), 96) is not None
+def test_only_the_block_formats_are_packed():
+    assert ops.q_packed_type(int(T.Q4_1), 96) == int(T.Q4_1) | 256  # 3 blocks: any block count packs
     assert ops.q_packed_type(int(T.F16), 64) == int(T.F16)
+    f16 = torch.zeros(4, 128, dtype=torch.uint8)
+    assert ops.q_pack(f16, int(T.F16), 64) is f16
+
+
+@needs_kernel
+def test_the_packed_layout_is_the_headers_worked_example():
+    """Q4_1, K = 64, 16 columns: block 1, chunk 2 of column 5 at byte 404; its d at 554, its m at 618."""
+    b = blocks(weights(16, 64, 11), T.Q4_1)
+    p, _ = packed(b, T.Q4_1, 64)
+    flat, row5 = p.reshape(-1), b[5]
+    block1 = row5[20:40]  # the file's block: d (2 bytes), m (2), 16 quant bytes
+    assert torch.equal(flat[404:408], block1[4 + 8:4 + 12])
+    assert torch.equal(flat[554:556], block1[0:2])
+    assert torch.equal(flat[618:620], block1[2:4])
 
 
 @pytest.mark.slow

@@ -27,8 +27,8 @@ at::Tensor q_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int6
 at::Tensor q_dequantize(const at::Tensor& w, int64_t type, int64_t K);
 
 // The type ``q_pack`` makes of rows of K weights of ``type``: type | Q_PACKED where the integer
-// kernel (``gemm_qi.cpp``) runs them (Q4_0, Q4_1, Q8_0, K a multiple of 64, an AVX2 + FMA + F16C
-// build), else ``type`` itself (the fp32 kernel of this file).
+// kernel (``gemm_qi.cpp``) runs them (Q4_0, Q4_1, Q8_0, any K the
+// file holds, an AVX2 + FMA + F16C build), else ``type`` itself (the fp32 kernel of this file).
 int64_t q_packed_type(int64_t type, int64_t K);
 
 // w (N, q_row_bytes(type, K)) in the file's layout -> the same bytes in ``gemm_qi.cpp``'s layout

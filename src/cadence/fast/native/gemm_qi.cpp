@@ -2,36 +2,41 @@
 // block of 32 (as llama.cpp does): integer dot products per block, scaled and summed in fp32.
 //
 // Why: the fp32 kernel (``gemm_q.cpp``) decodes every weight to fp32 on every call and is slower
-// than a dense fp32 product. Here a block of 32 weights costs a few byte operations per row:
-// AVX2 ``vpmaddubsw`` / ``vpmaddwd`` (u8 x s8 -> s16 pairs -> s32), AVX-512BW the same on 64
-// bytes, AVX512-VNNI ``vpdpbusd`` where the build has it; every integer sum is exact, so which
-// of these ran never changes a bit.
+// than a dense fp32 product. Here a block of 32 weights costs a few byte operations per row, and
+// a tree of n rows streams the weights once: the fp32 work is one multiply and one or two fused
+// multiply-adds per block and *16 columns* (one vector lane per column), so at 8 rows the
+// integer work, not the scaling, sets the pace. Integer sums are exact, so which instructions
+// ran (AVX2 ``vpmaddubsw`` / ``vpmaddwd`` on 8 columns, AVX-512BW the same on 16, AVX512-VNNI
+// ``vpdpbusd``) never changes a bit.
 //
-// Weights, repacked once at load (``q_pack``; the same bytes, rows the same length as the file's):
-//   a row = [quants][d: nb fp16][m: nb fp16, Q4_1 only], nb = K / 32 blocks, nb even.
-//   Blocks go in "regions" of 4 (the last one of 2 when nb % 4 == 2). Q4_*: a region's quants are
-//   its blocks' 16 nibble bytes in order (64 bytes), so the low nibbles of the region are weights
-//   0..15 of blocks 0, 1, 2, 3 and the high nibbles weights 16..31. Q8_0: a region is 128 bytes,
-//   weights 0..15 of blocks 0..3 then weights 16..31 of blocks 0..3 (half regions: 32 + 32).
+// Weights, repacked once at load (``q_pack``; the same bytes, the tensor the same shape): output
+// columns go in groups of 16 (the last one of G = N % 16 when N is not a multiple), and a group
+// of G columns keeps, over the same G rows of bytes,
+//   [quants: block by block, each block as chunks v of G x 4 bytes: column c's quant bytes
+//    4v..4v+3 at 4 c (Q4_*: 4 chunks of the block's 16 nibble bytes; Q8_0: 8 chunks of 32)]
+//   [d: block by block, G fp16]  [m: block by block, G fp16; Q4_1 only].
+//   Worked example, Q4_1, K = 64 (2 blocks), a full group: block 1's chunk 2 starts at byte
+//   1 * 16 * 16 + 2 * 16 * 4 = 384 of the group, column 5's 4 bytes there at 384 + 20; d of
+//   block 1, column 5 at 2 * 16 * 16 + 2 * (16 + 5) = 554; its m at 554 + 2 * 2 * 16 = 618.
+//   A byte of a Q4 chunk holds weight 4v + i in its low nibble and 16 + 4v + i in its high one
+//   (the file's order), so chunk v pairs with activations 4v..4v+3 and 16+4v..16+4v+3.
 // Activations, per call and row (``quantize_row``): per block, amax = max |x|, d = amax / 127,
-//   id = 1 / d (0 if d = 0), q = x * id rounded to nearest even (|q| <= 127), s = d * sum(q);
-//   the quants in the Q8_0 weights' region order, d spread to 16 lanes per region (``sx``), s
-//   at lane 4 i of its region (``ss``).
-// Arithmetic of one output y[r][j] (16 fp32 lanes; l = 4 i + t: block i of a region, t 0..3):
-//   isum[l] = the exact integer sum of the 8 products q_w q_x of block i's weights 4t..4t+3 and
-//   16+4t..16+4t+3; region by region from 0, acc[l] = fma(float(isum[l]), d_w * d_x, acc[l]),
-//   then for Q4_*, acc[l] = fma(mv[l], ss[l], acc[l]) with mv[l] block i's m (Q4_1) or d (Q4_0)
-//   and ss[l] its s (Q4_0: -8 s; exact) at t = 0, 0 elsewhere (a half region updates lanes 0..7
-//   only); then y = total(acc) + bias, total adding lanes 8, 4, 2, 1 apart (``gemm_q.cpp``'s
-//   order). So y is the fp32-rounded product of the file's weights with the row's 8-bit
-//   activations (Q4_1 with Q8_1's block sums, as llama.cpp).
-// Nothing depends on the other rows, the tile or the thread, and the AVX2 and AVX-512 builds
-// compute the same lanes with the same operations: the same bits (tests/test_gemm_qi.py checks
-// them against a numpy model of the arithmetic above).
+//   id = 1 / d (0 if d = 0), q = x * id rounded to nearest even (|q| <= 127), S = sum(q) (int),
+//   s = d * S (fp32; Q4_0 stores -8 s, exact). A row holds [q: 32 per block][d][s][S] per block.
+// Arithmetic of one output y[r][j]: acc = 0; for each block b in order,
+//   isum = the exact integer sum of its 32 products q_w q_x;
+//   acc = fma(float(isum), d_w * d_x, acc);  then for Q4_*: acc = fma(mv, s, acc) with mv the
+//   block's m (Q4_1) or d (Q4_0, whose s holds -8 s);
+//   then y = acc + bias. So y is the fp32-rounded product of the file's weights with the row's
+//   8-bit activations (Q4_1 with Q8_1's block sums, as llama.cpp).
+// Nothing depends on the other rows, the tile, the thread or the vector width (a column is one
+// lane, in order over the blocks; the last group's columns run the same arithmetic in scalar
+// code): the AVX2 and AVX-512 builds give the same bits (tests/test_gemm_qi.py checks them
+// against a numpy model of the arithmetic above).
 //
-// Work: columns split across threads in ranges of 8; a range runs in column tiles, each tile
-// against every row tile (AVX-512: 1 or 2 rows x 8 columns, 3 or 4 rows x 4; AVX2: 1 x 4,
-// 2 x 2, 3 or 4 x 1), so the weights stream from memory once per call.
+// Work: groups split across threads; a group runs its column tiles (AVX-512: 16 columns, AVX2: 8)
+// against every row tile (AVX-512: up to 8 rows, AVX2: up to 4), so the weights stream from
+// memory once per call.
 
 #include "gemm_q.h"
 
@@ -40,52 +45,48 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace cadence {
 namespace {
 
 constexpr int64_t QK = 32;
+constexpr int64_t GW = 16;  // columns in a group
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QI_ON 1
 #endif
 
-// where things lie in a packed weight row and a quantized activation row of K inputs
+bool is_q(int64_t type) { return type == Q_Q4_0 || type == Q_Q4_1 || type == Q_Q8_0; }
+int64_t file_block_bytes(int64_t type) { return type == Q_Q4_0 ? 18 : type == Q_Q4_1 ? 20 : 34; }
+int64_t quant_bytes(int64_t type) { return type == Q_Q8_0 ? 32 : 16; }
+
+// where things lie in a group of G packed columns and in a quantized activation row of K inputs
 struct Geo {
-  int64_t nb, quads;  // blocks; whole regions of 4
-  bool half;          // a last region of 2 blocks
-  int64_t wq;         // weight quant bytes in a row
-  int64_t x_sx, x_ss, x_bytes;  // activation row: quants at 0, sx and ss at x_sx, x_ss; its bytes
+  int64_t nb;                   // blocks in a row
+  int64_t qb;                   // quant bytes of a block
+  int64_t x_d, x_s, x_S, x_bytes;  // activation row: q at 0, then d, s, S (4 bytes each per block)
+  int64_t quants(int64_t G) const { return nb * G * qb; }                     // d of the group at
+  int64_t q_at(int64_t G, int64_t b, int64_t v, int64_t c) const { return b * G * qb + v * G * 4 + 4 * c; }
+  int64_t d_at(int64_t G, int64_t b, int64_t c) const { return quants(G) + 2 * (b * G + c); }
+  int64_t m_at(int64_t G, int64_t b, int64_t c) const { return quants(G) + 2 * nb * G + 2 * (b * G + c); }
 };
 
 Geo geo(int64_t type, int64_t K) {
   Geo g;
   g.nb = K / QK;
-  g.quads = g.nb / 4;
-  g.half = g.nb % 4 != 0;
-  g.wq = g.nb * (type == Q_Q8_0 ? 32 : 16);
-  const int64_t regions = g.quads + (g.half ? 1 : 0);
-  g.x_sx = g.nb * 32;
-  g.x_ss = g.x_sx + regions * 64;
-  g.x_bytes = g.x_ss + regions * 64;
+  g.qb = quant_bytes(type);
+  g.x_d = g.nb * QK;
+  g.x_s = g.x_d + 4 * g.nb;
+  g.x_S = g.x_s + 4 * g.nb;
+  g.x_bytes = g.x_S + 4 * g.nb;
   return g;
 }
 
-bool is_q(int64_t type) { return type == Q_Q4_0 || type == Q_Q4_1 || type == Q_Q8_0; }
-int64_t file_block_bytes(int64_t type) { return type == Q_Q4_0 ? 18 : type == Q_Q4_1 ? 20 : 34; }
-
-// byte offset of weight half h (0: weights 0..15, 1: 16..31) of block b in a Q8_0-ordered region
-// row (the activations' order too): region base + 16 (b % 4) + (second half: 64, or 32 in a half region)
-inline int64_t q8_offset(const Geo& g, int64_t b, int h) {
-  const int64_t region = b / 4, i = b % 4;
-  const bool short_region = region == g.quads;
-  return region * 128 + 16 * i + (h ? (short_region ? 32 : 64) : 0);
-}
-
 #if defined(QI_ON)
-// 32 floats -> 32 int8 (to[0..15] weights 0..15, to[16..31] 16..31 at the two pointers); returns d
-inline float quantize_block(const float* x, int8_t* first, int8_t* second, int32_t* sum) {
+// 32 floats -> 32 int8 at ``to``; returns d, the int sum in ``sum``
+inline float quantize_block(const float* x, int8_t* to, int32_t* sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   __m256 mx = _mm256_setzero_ps();
@@ -109,76 +110,34 @@ inline float quantize_block(const float* x, int8_t* first, int8_t* second, int32
   *sum = _mm_cvtsi128_si32(s4);
   // int32 -> int8 in order: the packs interleave 4-lane groups, the permutation undoes it
   const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  const __m256i o = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(o));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(o, 1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   return d;
 }
 
-// ``type``: Q4_0 stores -8 s in ``ss`` (its m_b = -8 d_b, applied exactly on this side)
+// ``type``: Q4_0 stores -8 s (its m_b = -8 d_b, applied exactly on this side)
 void quantize_row(const float* x, const Geo& g, int64_t type, uint8_t* out) {
-  int8_t* q = reinterpret_cast<int8_t*>(out);
-  float* sx = reinterpret_cast<float*>(out + g.x_sx);
-  float* ss = reinterpret_cast<float*>(out + g.x_ss);
-  std::memset(out + g.x_sx, 0, g.x_bytes - g.x_sx);
+  float* xd = reinterpret_cast<float*>(out + g.x_d);
+  float* xs = reinterpret_cast<float*>(out + g.x_s);
+  int32_t* xS = reinterpret_cast<int32_t*>(out + g.x_S);
   for (int64_t b = 0; b < g.nb; ++b) {
-    int32_t sum;
-    const float d = quantize_block(x + b * QK, q + q8_offset(g, b, 0), q + q8_offset(g, b, 1), &sum);
-    for (int t = 0; t < 4; ++t) sx[16 * (b / 4) + 4 * (b % 4) + t] = d;
-    const float s = d * static_cast<float>(sum);
-    ss[16 * (b / 4) + 4 * (b % 4)] = type == Q_Q4_0 ? -8.0f * s : s;
+    const float d = quantize_block(x + b * QK, reinterpret_cast<int8_t*>(out) + b * QK, xS + b);
+    const float s = d * static_cast<float>(xS[b]);
+    xd[b] = d;
+    xs[b] = type == Q_Q4_0 ? -8.0f * s : s;
   }
 }
 
-// lanes 0..7 + 8..15, then 4, 2, 1 apart (``gemm_q.cpp``'s ``total``)
-inline float total(__m256 lo, __m256 hi) {
-  const __m256 s8 = _mm256_add_ps(lo, hi);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  float f[4];
-  _mm_storeu_ps(f, s4);
-  return (f[0] + f[2]) + (f[1] + f[3]);
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
 }
 
-// 2 fp16 scales -> [a x4, b x4]
-inline __m256 scales8(const uint8_t* p) {
+inline int32_t load32(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(v))),
-                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-}
-
-// 8 lanes of one region half: the integer sums of weights (lo: 0..15 of 2 blocks, hi: 16..31)
-// with activations xl, xh. Q4: lo, hi are nibbles 0..15; Q8: |w| and the sign moved onto x.
-template <int64_t Q>
-inline __m256i isum8(__m256i lo, __m256i hi, __m256i wl, __m256i wh, const uint8_t* xl, const uint8_t* xh) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xl));
-  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xh));
-  if constexpr (Q == Q_Q8_0) {
-    a = _mm256_sign_epi8(a, wl);
-    b = _mm256_sign_epi8(b, wh);
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, a), ones),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, b), ones));
-  } else {  // pairs of nibble products fit int16 (2 * 15 * 127), and so do two of them
-    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, a), _mm256_maddubs_epi16(hi, b)), ones);
-  }
-}
-
-// one half region of a column: (lo, hi, raw lo, raw hi) for ``isum8``
-template <int64_t Q>
-inline void weights8(const uint8_t* wl_p, const uint8_t* wh_p, __m256i& lo, __m256i& hi, __m256i& wl, __m256i& wh) {
-  if constexpr (Q == Q_Q8_0) {
-    wl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wl_p));
-    wh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh_p));
-    lo = _mm256_abs_epi8(wl);
-    hi = _mm256_abs_epi8(wh);
-  } else {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wl_p));
-    lo = _mm256_and_si256(z, m4);
-    hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
-    wl = wh = lo;
-  }
+  return v;
 }
 
 struct Args {
@@ -190,224 +149,262 @@ struct Args {
   Geo g;
 };
 
-inline void finish(const Args& a, int64_t r, int64_t j, float t) { a.y[r * a.N + j] = a.bias ? t + a.bias[j] : t; }
-inline void finish4(const Args& a, int64_t r, int64_t j, __m128 t) {
-  _mm_storeu_ps(a.y + r * a.N + j, a.bias ? _mm_add_ps(t, _mm_loadu_ps(a.bias + j)) : t);
-}
-
-// in each 128-bit lane [s0, s1, s2, s3] -> lane 0 = (s0 + s2) + (s1 + s3), ``total``'s last additions
-template <typename V>
-inline V last_adds(V z) {
-  if constexpr (sizeof(V) == 64) {
-    const __m512 t = _mm512_add_ps(z, _mm512_permute_ps(z, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
-  } else {
-    const __m256 t = _mm256_add_ps(z, _mm256_permute_ps(z, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm256_add_ps(t, _mm256_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
-  }
-}
-
-// ``total`` of four accumulators (8 lanes each after their lo + hi), as one vector
-inline __m128 totals4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 ab = last_adds(_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
-  const __m256 cd = last_adds(_mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31)));
-  const __m256 x = _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(0, 0, 0, 0));  // [a a c c | b b d d]
-  return _mm_blend_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1), 0b1010);
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int RMAX = 4;
-constexpr int cols(int r) { return r <= 2 ? 8 : 4; }
-
+// column c of a group of G at ``grp`` against activation row ``xr``: the header's arithmetic, one
+// column at a time (the last group's columns, when N % 16 != 0)
+// (kept scalar: vectorized by GCC 12.2 with -march=native on an AMX Xeon, this loop summed Q8_0's
+// int8 weights as if unsigned; tests/test_gemm_qi.py's last-group columns catch it)
 template <int64_t Q>
-inline __m512i isum16(__m512i lo, __m512i hi, __mmask64 nl, __mmask64 nh, const uint8_t* xp) {
-  __m512i a = _mm512_loadu_si512(xp), b = _mm512_loadu_si512(xp + 64);
-  if constexpr (Q == Q_Q8_0) {  // the weight's sign onto x (|x| <= 127: no overflow)
-    a = _mm512_mask_sub_epi8(a, nl, _mm512_setzero_si512(), a);
-    b = _mm512_mask_sub_epi8(b, nh, _mm512_setzero_si512(), b);
-  }
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a), hi, b);
-#else
-  const __m512i ones = _mm512_set1_epi16(1);
-  if constexpr (Q == Q_Q8_0)
-    return _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(lo, a), ones),
-                            _mm512_madd_epi16(_mm512_maddubs_epi16(hi, b), ones));
-  else
-    return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, a), _mm512_maddubs_epi16(hi, b)), ones);
-#endif
-}
-
-// ``total`` of z[0..3], as one vector: lanes 8, then 4 apart by 128-bit shuffles, then ``last_adds``
-inline __m128 totals4(const __m512* z) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 2, 3, 2)));  // [a_8 | b_8]
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 s4 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // [a_4 b_4 c_4 d_4]
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
-                                                      last_adds(s4)));
-}
-
-// rows [r0, r0 + R) x columns [j0, j0 + C)
-template <int64_t Q, int R, int C>
-void tile(const Args& a, int64_t r0, int64_t j0) {
-  const Geo& g = a.g;
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  for (int64_t q = 0; q < g.quads; ++q) {
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* wr = a.w + (j0 + c) * a.rb;
-      const __m512 sw = _mm512_permutexvar_ps(
-          spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + g.wq + 8 * q)))));
-      __m512 mv = sw;  // Q4_1: its m's spread as the d's; Q4_0: the d's (ss holds -8 s)
-      if constexpr (Q == Q_Q4_1)
-        mv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(
-                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + g.wq + 2 * g.nb + 8 * q)))));
-      __m512i lo, hi;
-      __mmask64 nl = 0, nh = 0;
-      if constexpr (Q == Q_Q8_0) {
-        lo = _mm512_loadu_si512(wr + 128 * q);
-        hi = _mm512_loadu_si512(wr + 128 * q + 64);
-        nl = _mm512_movepi8_mask(lo);
-        nh = _mm512_movepi8_mask(hi);
-        lo = _mm512_abs_epi8(lo);
-        hi = _mm512_abs_epi8(hi);
-      } else {
-        const __m512i m4 = _mm512_set1_epi8(0x0f), z = _mm512_loadu_si512(wr + 64 * q);
-        lo = _mm512_and_si512(z, m4);
-        hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* xr = a.x + (r0 + r) * g.x_bytes;
-        const __m512i is = isum16<Q>(lo, hi, nl, nh, xr + 128 * q);
-        const __m512 dd = _mm512_mul_ps(sw, _mm512_loadu_ps(reinterpret_cast<const float*>(xr + g.x_sx) + 16 * q));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), dd, acc[r][c]);
-        if constexpr (Q != Q_Q8_0)
-          acc[r][c] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(reinterpret_cast<const float*>(xr + g.x_ss) + 16 * q), acc[r][c]);
-      }
-    }
-  }
-  if (g.half) {  // 2 blocks: 256-bit lanes 0..7 (the AVX2 code's operations), lanes 8..15 kept
-    const int64_t q = g.quads;
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* wr = a.w + (j0 + c) * a.rb;
-      const __m256 sw = scales8(wr + g.wq + 8 * q);
-      const __m256 mv = Q == Q_Q4_1 ? scales8(wr + g.wq + 2 * g.nb + 8 * q) : sw;
-      __m256i lo, hi, wl, wh;
-      if constexpr (Q == Q_Q8_0) weights8<Q>(wr + 128 * q, wr + 128 * q + 32, lo, hi, wl, wh);
-      else weights8<Q>(wr + 64 * q, nullptr, lo, hi, wl, wh);
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* xr = a.x + (r0 + r) * g.x_bytes;
-        const __m256i is = isum8<Q>(lo, hi, wl, wh, xr + 128 * q, xr + 128 * q + 32);
-        const __m256 dd = _mm256_mul_ps(sw, _mm256_loadu_ps(reinterpret_cast<const float*>(xr + g.x_sx) + 16 * q));
-        acc[r][c] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_cvtepi32_ps(is)), _mm512_castps256_ps512(dd),
-                                          acc[r][c], 0x00ff);
-        if constexpr (Q != Q_Q8_0)
-          acc[r][c] = _mm512_mask3_fmadd_ps(
-              _mm512_castps256_ps512(mv),
-              _mm512_castps256_ps512(_mm256_loadu_ps(reinterpret_cast<const float*>(xr + g.x_ss) + 16 * q)), acc[r][c],
-              0x00ff);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    if constexpr (C % 4 == 0) {
-      for (int c = 0; c < C; c += 4) finish4(a, r0 + r, j0 + c, totals4(acc[r] + c));
-    } else {
-      for (int c = 0; c < C; ++c) {
-        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
-        finish(a, r0 + r, j0 + c, total(_mm512_castps512_ps256(acc[r][c]), hi));
-      }
-    }
-  }
-}
-#else
-constexpr int RMAX = 4;
-constexpr int cols(int r) { return r == 1 ? 4 : r == 2 ? 2 : 1; }
-
-template <int64_t Q, int R, int C>
-void tile(const Args& a, int64_t r0, int64_t j0) {
-  const Geo& g = a.g;
-  __m256 acc[R][C][2];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-  const int64_t regions = g.quads + (g.half ? 1 : 0);
-  for (int64_t q = 0; q < regions; ++q) {
-    const bool whole = q < g.quads;
-    for (int h = 0; h < (whole ? 2 : 1); ++h) {
-      // weights: Q4 bytes 32 h of the region; Q8 / x: 32 h and (64 or 32) + 32 h
-      const int64_t second = whole ? 64 : 32;
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        const uint8_t* wr = a.w + (j0 + c) * a.rb;
-        const __m256 sw = scales8(wr + g.wq + 8 * q + 4 * h);
-        const __m256 mv = Q == Q_Q4_1 ? scales8(wr + g.wq + 2 * g.nb + 8 * q + 4 * h) : sw;
-        __m256i lo, hi, wl, wh;
-        if constexpr (Q == Q_Q8_0) weights8<Q>(wr + 128 * q + 32 * h, wr + 128 * q + second + 32 * h, lo, hi, wl, wh);
-        else weights8<Q>(wr + 64 * q + 32 * h, nullptr, lo, hi, wl, wh);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* xr = a.x + (r0 + r) * g.x_bytes;
-          const __m256i is = isum8<Q>(lo, hi, wl, wh, xr + 128 * q + 32 * h, xr + 128 * q + second + 32 * h);
-          const __m256 dd =
-              _mm256_mul_ps(sw, _mm256_loadu_ps(reinterpret_cast<const float*>(xr + g.x_sx) + 16 * q + 8 * h));
-          acc[r][c][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), dd, acc[r][c][h]);
-          if constexpr (Q != Q_Q8_0)
-            acc[r][c][h] = _mm256_fmadd_ps(
-                mv, _mm256_loadu_ps(reinterpret_cast<const float*>(xr + g.x_ss) + 16 * q + 8 * h), acc[r][c][h]);
+__attribute__((optimize("no-tree-vectorize"))) float column(const Geo& g, const uint8_t* grp, int64_t G, int64_t c, const uint8_t* xr) {
+  const int8_t* xq = reinterpret_cast<const int8_t*>(xr);
+  const float* xd = reinterpret_cast<const float*>(xr + g.x_d);
+  const float* xs = reinterpret_cast<const float*>(xr + g.x_s);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < g.nb; ++b) {
+    int32_t is = 0;
+    const int8_t* xb = xq + b * QK;
+    for (int64_t v = 0; v < g.qb / 4; ++v) {
+      const uint8_t* w = grp + g.q_at(G, b, v, c);
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (Q == Q_Q8_0) {
+          is += static_cast<int8_t>(w[i]) * xb[4 * v + i];
+        } else {
+          is += (w[i] & 15) * xb[4 * v + i] + (w[i] >> 4) * xb[16 + 4 * v + i];
         }
       }
     }
+    const float dw = fp16(grp + g.d_at(G, b, c));
+    acc = std::fma(static_cast<float>(is), dw * xd[b], acc);
+    if constexpr (Q != Q_Q8_0) acc = std::fma(Q == Q_Q4_1 ? fp16(grp + g.m_at(G, b, c)) : dw, xs[b], acc);
   }
-  for (int r = 0; r < R; ++r) {
-    if constexpr (C == 4) {
-      __m256 s8[4];
-      for (int c = 0; c < 4; ++c) s8[c] = _mm256_add_ps(acc[r][c][0], acc[r][c][1]);
-      finish4(a, r0 + r, j0, totals4(s8[0], s8[1], s8[2], s8[3]));
-    } else {
-      for (int c = 0; c < C; ++c) finish(a, r0 + r, j0 + c, total(acc[r][c][0], acc[r][c][1]));
-    }
-  }
+  return acc;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int RMAX = 8;
+constexpr int64_t CW = 16;  // columns in a vector
+using VF = __m512;
+using VI = __m512i;
+inline VI bcast(const uint8_t* p) { return _mm512_set1_epi32(load32(p)); }
+inline VI loadw(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VF scales(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VF fset(float f) { return _mm512_set1_ps(f); }
+inline VF fma_(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF mul_(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF cvt(VI a) { return _mm512_cvtepi32_ps(a); }
+inline VF fzero() { return _mm512_setzero_ps(); }
+inline VI izero() { return _mm512_setzero_si512(); }
+inline void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+inline VF loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline VF addf(VF a, VF b) { return _mm512_add_ps(a, b); }
+
+// Q4 chunk: lo / hi nibbles (u8) against broadcast activations xl, xh, into p
+inline VI q4_dot(VI p, VI lo, VI hi, VI xl, VI xh) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(p, lo, xl), hi, xh);  // int32 sums
+#else
+  return _mm512_add_epi16(p, _mm512_add_epi16(_mm512_maddubs_epi16(lo, xl), _mm512_maddubs_epi16(hi, xh)));  // int16
+#endif
+}
+inline VI q4_total(VI p) {
+#if defined(__AVX512VNNI__)
+  return p;
+#else
+  return _mm512_madd_epi16(p, _mm512_set1_epi16(1));
+#endif
+}
+#else
+constexpr int RMAX = 4;
+constexpr int64_t CW = 8;
+using VF = __m256;
+using VI = __m256i;
+inline VI bcast(const uint8_t* p) { return _mm256_set1_epi32(load32(p)); }
+inline VI loadw(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VF scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF fset(float f) { return _mm256_set1_ps(f); }
+inline VF fma_(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF mul_(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF cvt(VI a) { return _mm256_cvtepi32_ps(a); }
+inline VF fzero() { return _mm256_setzero_ps(); }
+inline VI izero() { return _mm256_setzero_si256(); }
+inline void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+inline VF loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline VF addf(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VI q4_dot(VI p, VI lo, VI hi, VI xl, VI xh) {  // int16: 4 chunks of pairs fit (4 * 2 * 2 * 15 * 127)
+  return _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+}
+inline VI q4_total(VI p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 #endif
 
+// the nibbles of a Q4 chunk
+inline void nibbles(VI z, VI& lo, VI& hi) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const VI m4 = _mm512_set1_epi8(0x0f);
+  lo = _mm512_and_si512(z, m4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+#else
+  const VI m4 = _mm256_set1_epi8(0x0f);
+  lo = _mm256_and_si256(z, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
+#endif
+}
+
+// Q8 chunk z (int8 weights) against R broadcast activations, into int32 sums p[r]
+template <int R>
+inline void q8_chunk(VI z, const uint8_t* const* xb, int64_t off, VI* p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)  // (w + 128) x as u8 x s8; 128 S is taken off per block
+  const VI u = _mm512_xor_si512(z, _mm512_set1_epi8(static_cast<char>(0x80)));
+  for (int r = 0; r < R; ++r) p[r] = _mm512_dpbusd_epi32(p[r], u, bcast(xb[r] + off));
+#else  // |w| x sign(w) x (|x| <= 127: no overflow); a pair of products fits int16
+  const __mmask64 neg = _mm512_movepi8_mask(z);
+  const VI a = _mm512_abs_epi8(z), ones = _mm512_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    const VI x = bcast(xb[r] + off);
+    const VI xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+    p[r] = _mm512_add_epi32(p[r], _mm512_madd_epi16(_mm512_maddubs_epi16(a, xs), ones));
+  }
+#endif
+#else
+  const VI a = _mm256_abs_epi8(z), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    const VI xs = _mm256_sign_epi8(bcast(xb[r] + off), z);
+    p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), ones));
+  }
+#endif
+}
+
+// rows [r0, r0 + R) x columns [c0, c0 + CW) of a full group at ``grp`` (its first column j)
 template <int64_t Q, int R>
-void row_tile(const Args& a, int64_t r0, int64_t j0, int64_t nc) {
-  constexpr int C = cols(R);
-  if (nc == C) tile<Q, R, C>(a, r0, j0);
-  else
-    for (int64_t c = 0; c < nc; ++c) tile<Q, R, 1>(a, r0, j0 + c);
+void tile(const Args& a, const uint8_t* grp, int64_t j, int64_t c0, int64_t r0) {
+  const Geo& g = a.g;
+  const uint8_t* xb[R];
+  const float *xd[R], *xs[R];
+  const int32_t* xS[R];
+  for (int r = 0; r < R; ++r) {
+    xb[r] = a.x + (r0 + r) * g.x_bytes;
+    xd[r] = reinterpret_cast<const float*>(xb[r] + g.x_d);
+    xs[r] = reinterpret_cast<const float*>(xb[r] + g.x_s);
+    xS[r] = reinterpret_cast<const int32_t*>(xb[r] + g.x_S);
+  }
+  (void)xS;  // read by the VNNI build's Q8_0 only
+  VF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (int64_t b = 0; b < g.nb; ++b) {
+    VI p[R];
+    for (int r = 0; r < R; ++r) p[r] = izero();
+    if constexpr (Q == Q_Q8_0) {
+#pragma GCC unroll 1  // one chunk at a time: unrolled, GCC hoists every load and spills
+      for (int64_t v = 0; v < 8; ++v) q8_chunk<R>(loadw(grp + g.q_at(GW, b, v, c0)), xb, b * QK + 4 * v, p);
+    } else {
+#pragma GCC unroll 1
+      for (int64_t v = 0; v < 4; ++v) {
+        VI lo, hi;
+        nibbles(loadw(grp + g.q_at(GW, b, v, c0)), lo, hi);
+        for (int r = 0; r < R; ++r)
+          p[r] = q4_dot(p[r], lo, hi, bcast(xb[r] + b * QK + 4 * v), bcast(xb[r] + b * QK + 16 + 4 * v));
+      }
+    }
+    const VF dw = scales(grp + g.d_at(GW, b, c0));
+    const VF mv = Q == Q_Q4_1 ? scales(grp + g.m_at(GW, b, c0)) : dw;
+    for (int r = 0; r < R; ++r) {
+      VI is;
+      if constexpr (Q == Q_Q8_0) {
+#if defined(__AVX512VNNI__)
+        is = _mm512_sub_epi32(p[r], _mm512_set1_epi32(128 * xS[r][b]));
+#else
+        is = p[r];
+#endif
+      } else {
+        is = q4_total(p[r]);
+      }
+      acc[r] = fma_(cvt(is), mul_(dw, fset(xd[r][b])), acc[r]);
+      if constexpr (Q != Q_Q8_0) acc[r] = fma_(mv, fset(xs[r][b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* y = a.y + (r0 + r) * a.N + j + c0;
+    store(y, a.bias ? addf(acc[r], loadf(a.bias + j + c0)) : acc[r]);
+  }
+}
+
+template <int64_t Q, int R>
+void tiles(const Args& a, const uint8_t* grp, int64_t j, int64_t r0) {
+  for (int64_t c0 = 0; c0 < GW; c0 += CW) tile<Q, R>(a, grp, j, c0, r0);
+}
+
+// group gi's weights toward L2 (the hardware prefetcher stops at every 4 KiB page; a group of
+// 16 columns is 5.6 KiB at K = 576 in Q4_1)
+inline void prefetch_group(const Args& a, int64_t gi, int64_t g1) {
+  if (gi >= g1) return;
+  const int64_t j = gi * GW, bytes = std::min<int64_t>(GW, a.N - j) * a.rb;
+  const char* p = reinterpret_cast<const char*>(a.w + j * a.rb);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
 template <int64_t Q>
-void run(const Args& a, int64_t j0, int64_t j1) {
-  constexpr int CT = cols(1);  // column tile: the widest one
-  for (int64_t j = j0; j < j1; j += CT) {
-    const int64_t nc = std::min<int64_t>(CT, j1 - j);
+void run(const Args& a, int64_t g0, int64_t g1) {
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    const int64_t j = gi * GW, G = std::min<int64_t>(GW, a.N - j);
+    const uint8_t* grp = a.w + j * a.rb;
+    if (G < GW) {  // the last group of a matrix whose N is not a multiple of 16
+      for (int64_t r = 0; r < a.m; ++r)
+        for (int64_t c = 0; c < G; ++c) {
+          const float t = column<Q>(a.g, grp, G, c, a.x + r * a.g.x_bytes);
+          a.y[r * a.N + j + c] = a.bias ? t + a.bias[j + c] : t;
+        }
+      continue;
+    }
     int64_t r = 0;
-    for (; r + RMAX <= a.m; r += RMAX)
-      for (int64_t c = 0; c < nc; c += cols(RMAX)) row_tile<Q, RMAX>(a, r, j + c, std::min<int64_t>(cols(RMAX), nc - c));
-    const int64_t left = a.m - r;
-    if (left == 3)
-      for (int64_t c = 0; c < nc; c += cols(3)) row_tile<Q, 3>(a, r, j + c, std::min<int64_t>(cols(3), nc - c));
-    if (left == 2)
-      for (int64_t c = 0; c < nc; c += cols(2)) row_tile<Q, 2>(a, r, j + c, std::min<int64_t>(cols(2), nc - c));
-    if (left == 1) row_tile<Q, 1>(a, r, j, nc);
+    for (; r + RMAX <= a.m; r += RMAX) tiles<Q, RMAX>(a, grp, j, r);
+    switch (a.m - r) {
+      case 1: tiles<Q, 1>(a, grp, j, r); break;
+      case 2: tiles<Q, 2>(a, grp, j, r); break;
+      case 3: tiles<Q, 3>(a, grp, j, r); break;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      case 4: tiles<Q, 4>(a, grp, j, r); break;
+      case 5: tiles<Q, 5>(a, grp, j, r); break;
+      case 6: tiles<Q, 6>(a, grp, j, r); break;
+      case 7: tiles<Q, 7>(a, grp, j, r); break;
+#endif
+      default: break;
+    }
   }
 }
 #endif  // QI_ON
+
+// copies a column's blocks between the file's layout (``file``) and a group's (``grp``, G columns)
+void move_column(const Geo& g, int64_t type, int64_t G, int64_t c, uint8_t* file, uint8_t* grp, bool to_group) {
+  const int64_t bb = file_block_bytes(type), qoff = type == Q_Q4_1 ? 4 : 2;
+  auto mv = [to_group](uint8_t* f, uint8_t* p, size_t n) { to_group ? std::memcpy(p, f, n) : std::memcpy(f, p, n); };
+  for (int64_t b = 0; b < g.nb; ++b) {
+    uint8_t* blk = file + b * bb;
+    mv(blk, grp + g.d_at(G, b, c), 2);
+    if (type == Q_Q4_1) mv(blk + 2, grp + g.m_at(G, b, c), 2);
+    for (int64_t v = 0; v < g.qb / 4; ++v) mv(blk + qoff + 4 * v, grp + g.q_at(G, b, v, c), 4);
+  }
+}
+
+void repack(const at::Tensor& from, at::Tensor& to, int64_t type, int64_t K, bool to_group) {
+  const Geo g = geo(type, K);
+  const int64_t n = from.size(0), rb = from.size(1);
+  uint8_t* src = const_cast<uint8_t*>(from.data_ptr<uint8_t>());
+  uint8_t* dst = to.data_ptr<uint8_t>();
+  at::parallel_for(0, (n + GW - 1) / GW, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t gi = g0; gi < g1; ++gi) {
+      const int64_t j = gi * GW, G = std::min<int64_t>(GW, n - j);
+      for (int64_t c = 0; c < G; ++c) {
+        if (to_group) move_column(g, type, G, c, src + (j + c) * rb, dst + j * rb, true);
+        else move_column(g, type, G, c, dst + (j + c) * rb, src + j * rb, false);
+      }
+    }
+  });
+}
 
 }  // namespace
 
 int64_t q_packed_type(int64_t type, int64_t K) {
 #if defined(QI_ON)
-  if (is_q(type) && K % (2 * QK) == 0 && K > 0) return type | Q_PACKED;
+  if (is_q(type) && K % QK == 0 && K > 0) return type | Q_PACKED;
 #endif
   (void)K;
   return type;
@@ -417,52 +414,17 @@ at::Tensor q_pack(const at::Tensor& w, int64_t type, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "q_pack: (out, row bytes) uint8");
   const int64_t pt = q_packed_type(type, K);
   if (pt == type) return w;
-  const Geo g = geo(type, K);
-  const int64_t n = w.size(0), rb = w.size(1), bb = file_block_bytes(type);
-  TORCH_CHECK(rb == g.nb * bb, "q_pack: rows of ", rb, " bytes for ", K, " inputs of type ", type);
+  TORCH_CHECK(w.size(1) == K / QK * file_block_bytes(type), "q_pack: rows of ", w.size(1), " bytes for ", K,
+              " inputs of type ", type);
   at::Tensor out = at::empty_like(w);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 256, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const uint8_t* in = src + j * rb;
-      uint8_t* o = dst + j * rb;
-      for (int64_t b = 0; b < g.nb; ++b, in += bb) {
-        std::memcpy(o + g.wq + 2 * b, in, 2);                                     // d
-        if (type == Q_Q4_1) std::memcpy(o + g.wq + 2 * g.nb + 2 * b, in + 2, 2);  // m
-        if (type == Q_Q8_0) {
-          std::memcpy(o + q8_offset(g, b, 0), in + 2, 16);
-          std::memcpy(o + q8_offset(g, b, 1), in + 18, 16);
-        } else {
-          std::memcpy(o + 16 * b, in + (type == Q_Q4_1 ? 4 : 2), 16);
-        }
-      }
-    }
-  });
+  repack(w, out, type, K, true);
   return out;
 }
 
 at::Tensor q_unpack(const at::Tensor& w, int64_t packed, int64_t K) {
   const int64_t type = packed & ~Q_PACKED;
-  const Geo g = geo(type, K);
-  const int64_t n = w.size(0), rb = w.size(1), bb = file_block_bytes(type);
   at::Tensor out = at::empty_like(w);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  for (int64_t j = 0; j < n; ++j) {
-    const uint8_t* in = src + j * rb;
-    uint8_t* o = dst + j * rb;
-    for (int64_t b = 0; b < g.nb; ++b, o += bb) {
-      std::memcpy(o, in + g.wq + 2 * b, 2);
-      if (type == Q_Q4_1) std::memcpy(o + 2, in + g.wq + 2 * g.nb + 2 * b, 2);
-      if (type == Q_Q8_0) {
-        std::memcpy(o + 2, in + q8_offset(g, b, 0), 16);
-        std::memcpy(o + 18, in + q8_offset(g, b, 1), 16);
-      } else {
-        std::memcpy(o + (type == Q_Q4_1 ? 4 : 2), in + 16 * b, 16);
-      }
-    }
-  }
+  repack(w, out, type, K, false);
   return out;
 }
 
@@ -476,13 +438,12 @@ at::Tensor q_linear_packed(const at::Tensor& x2, const at::Tensor& w, int64_t pa
   uint8_t* xd = xq.data_ptr<uint8_t>();
   for (int64_t r = 0; r < m; ++r) quantize_row(xs + r * K, g, type, xd + r * g.x_bytes);
   const Args a{w.data_ptr<uint8_t>(), xd, bias, y.data_ptr<float>(), m, out, w.size(1), g};
-  const int64_t groups = (out + 7) / 8;
+  const int64_t groups = (out + GW - 1) / GW;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   at::parallel_for(0, groups, (groups + threads - 1) / threads, [&](int64_t g0, int64_t g1) {
-    const int64_t j0 = g0 * 8, j1 = std::min<int64_t>(out, g1 * 8);
-    if (type == Q_Q4_0) run<Q_Q4_0>(a, j0, j1);
-    else if (type == Q_Q4_1) run<Q_Q4_1>(a, j0, j1);
-    else run<Q_Q8_0>(a, j0, j1);
+    if (type == Q_Q4_0) run<Q_Q4_0>(a, g0, g1);
+    else if (type == Q_Q4_1) run<Q_Q4_1>(a, g0, g1);
+    else run<Q_Q8_0>(a, g0, g1);
   });
   return y;
 #else
