@@ -61,6 +61,11 @@ class MethodSpec:
     heads_dtype: str = field(default="auto", metadata={
         "help": "dtype the heads draft in: auto (bfloat16 on a bfloat16 backbone, else float32), float32, bfloat16; "
                 "drafts only: the output is the same either way"})
+    draft_weights: str = field(default="dense", metadata={
+        "help": "how the drafting kernels hold the heads' weights: dense (the heads' dtype) or q8_0 (GGUF Q8_0 "
+                "blocks, int8 + an fp16 scale per 32 weights, on the integer kernel: about half the bytes of "
+                "bf16 to read per draft; CPUs; the attention heads' projections and the draft-vocabulary LM "
+                "head); drafts only: the output is the same either way"})
     heads_seed: int = field(default=0, metadata={"help": "seed for --heads random"})
     context_vocab: int = field(default=256, metadata={
         "help": "heads with a draft vocabulary may also draft up to N of the request's own tokens "
@@ -223,7 +228,8 @@ def _convert(text: str, kind: type, key: str):
 def resolve_heads(backbone, spec: MethodSpec):
     dtype = decode_dtype(backbone, spec.heads_dtype)
     if spec.heads == "random":
-        return new_heads(spec.method.value, backbone, spec.num_heads, random=True, seed=spec.heads_seed).to(dtype)
+        heads = new_heads(spec.method.value, backbone, spec.num_heads, random=True, seed=spec.heads_seed).to(dtype)
+        return heads.set_draft_format(spec.draft_weights)
     if spec.heads == "default":
         path = shipped_heads_dir(backbone, spec.method.value)
         if path is None:
@@ -236,7 +242,7 @@ def resolve_heads(backbone, spec: MethodSpec):
     heads = load_heads(path, backbone, dtype=dtype)
     if heads.cfg.kind != spec.method.value:
         raise CadenceError(f"{path} holds {heads.cfg.kind} heads, but --method is {spec.method.value}")
-    return heads
+    return heads.set_draft_format(spec.draft_weights)
 
 
 def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None) -> Engine:

@@ -68,6 +68,8 @@ class CalibrateConfig:
         "help": "calibrate drafting with the context vocabulary (MethodSpec.context_vocab; 0 = without)"})
     heads_dtype: str = field(default="auto", metadata={
         "help": "dtype the heads draft in while measured (MethodSpec.heads_dtype; auto: the backbone's bfloat16, else float32)"})
+    draft_weights: str = field(default="dense", metadata={
+        "help": "how the drafting kernels hold the weights while measured (MethodSpec.draft_weights): dense or q8_0"})
     split: str = field(default="val", metadata={
         "help": "store split measured (val: held out from training; train: when no val shards exist yet)"})
     profiles: bool = field(default=True, metadata={
@@ -130,6 +132,7 @@ def calibrate(cfg: CalibrateConfig, backbone=None) -> dict:
         raise CadenceError("--heads DIR is required")
     backbone = backbone or load_backbone(cfg.model, cfg.dtype, cfg.device)
     heads = load_heads(cfg.heads, backbone, dtype=decode_dtype(backbone, cfg.heads_dtype))
+    heads.set_draft_format(cfg.draft_weights)
     copy = CopyConfig() if cfg.copy else None
     if cfg.context_vocab < 0:
         raise CadenceError(f"--context-vocab must be >= 0, got {cfg.context_vocab}")

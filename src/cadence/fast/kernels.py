@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 
+import gguf
 import torch
 import torch.nn.functional as F
 
@@ -174,8 +175,20 @@ class Linear:
         self._q = ops.q_linear
         return self
 
+    @classmethod
+    def q8_0(cls, weight: torch.Tensor) -> Linear:
+        """Kind ``gguf`` from a dense W (out, in): W rounded to GGUF Q8_0 blocks (32 weights
+        share an fp16 scale, ``gguf.quants.quantize``), about 1.06 bytes per weight. Needs in %
+        32 == 0. For drafting weights (``draft_linear``): output is verified, never trusted."""
+        w = weight.detach().float().cpu().numpy()
+        blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+        return cls.from_blocks(torch.from_numpy(blocks).view(torch.uint8).reshape(w.shape[0], -1),
+                               int(gguf.GGMLQuantizationType.Q8_0), w.shape[1], None)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "gguf":  # any row count: a row's bits do not depend on the others
+            if x.dtype != torch.float32:  # bf16 drafting through Q8_0 weights (``q8_0``): fp32 in, x's dtype out
+                return self._q(x.float(), self.w, self.qtype, self.out_features, self.bias).to(x.dtype)
             return self._q(x, self.w, self.qtype, self.out_features, self.bias)
         if self.kind == "aten":
             return F.linear(x, self.w, self.bias)
@@ -230,6 +243,23 @@ class Linear:
             self.out_features * self.in_features * torch.empty((), dtype=self.w.dtype).element_size()
         n += 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+DRAFT_FORMATS = ("dense", "q8_0")  # how drafting kernels hold their weights (``draft_linear``)
+
+
+def draft_linear(weight: torch.Tensor, fmt: str = "dense") -> Linear | None:
+    """A drafting projection's kernel for W (out, in). ``fmt``: ``dense`` keeps W's dtype in
+    the device's fastest kind (None where that is plain ``F.linear``: CUDA); ``q8_0`` rounds W
+    to GGUF Q8_0 blocks on the integer kernel (``Linear.q8_0``: about half bf16's bytes, the
+    activations rounded to 8 bits per 32 as llama.cpp does) where it runs (a CPU, the native
+    extension, in % 32 == 0), else ``dense``. Drafts are verified, so neither changes output."""
+    if fmt not in DRAFT_FORMATS:
+        raise ValueError(f"unknown draft weight format {fmt!r}; choose one of {DRAFT_FORMATS}")
+    if fmt == "q8_0" and weight.device.type == "cpu" and weight.shape[1] % 32 == 0 and _native() is not None:
+        return Linear.q8_0(weight)
+    kind = resolve_kind("auto", weight.device, weight.dtype)
+    return Linear(weight, None, kind) if kind != "aten" else None
 
 
 def gguf_int8() -> bool:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.fast import native
-from cadence.fast.kernels import Linear, linear_ints, resolve_kind
+from cadence.fast.kernels import Linear, draft_linear, linear_ints, resolve_kind
 from cadence.heads.mtp import RMSNorm
 
 
@@ -82,11 +82,18 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
+def draft_format(module: nn.Module) -> str:
+    """How ``module``'s drafting kernels hold their weights (``fast.kernels.DRAFT_FORMATS``),
+    as ``DraftHeads.set_draft_format`` marked it; ``dense`` when unmarked."""
+    return module.__dict__.get("draft_format", "dense")
+
+
 def packed(owner: nn.Module, groups: dict[str, list[nn.Linear]]) -> dict[str, Linear] | None:
     """Drafting kernels for ``owner``'s bias-free linear layers: each group's weights fused
     (rows stacked in the given order) into one ``fast.kernels.Linear`` in the device's
     fastest layout (prepacked oneDNN on CPU: one weight read for all rows; ``F.linear`` in
-    bf16 at one row took 50 us for q/k/v against 30 us prepacked on the Zen 5 EPYC). None
+    bf16 at one row took 50 us for q/k/v against 30 us prepacked on the Zen 5 EPYC), or in
+    Q8_0 blocks where ``owner`` is marked so (``draft_format``). None
     where that is plain ``F.linear`` anyway (CUDA). Rebuilt when any weight was replaced or
     changed in place (training, loading: the tensors' ``_version``), so a stale copy is never
     used. Only for inference (the packed copies carry no gradient).
@@ -94,17 +101,16 @@ def packed(owner: nn.Module, groups: dict[str, list[nn.Linear]]) -> dict[str, Li
     Example: ``packed(block, {"qkv": [q_proj, k_proj, v_proj]})["qkv"](y)`` = ``cat([q_proj(y),
     k_proj(y), v_proj(y)], -1)`` up to rounding."""
     weights = [lin.weight for group in groups.values() for lin in group]
-    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+    fmt = draft_format(owner)
+    key = (fmt,) + tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
     hit = _PACKED.get(owner)
     if hit is not None and hit[0] == key:
         return hit[1]
-    w0 = weights[0]
-    kind = resolve_kind("auto", w0.device, w0.dtype)
-    kernels = None
-    if kind != "aten":
-        with torch.no_grad():
-            kernels = {name: Linear(torch.cat([lin.weight.detach() for lin in group]), None, kind)
-                       for name, group in groups.items()}
+    with torch.no_grad():
+        kernels = {name: draft_linear(torch.cat([lin.weight.detach() for lin in group]), fmt)
+                   for name, group in groups.items()}
+    if any(k is None for k in kernels.values()):
+        kernels = None
     _PACKED[owner] = (key, kernels)
     return kernels
 

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from cadence.fast.kernels import Linear, resolve_kind
+from cadence.errors import CadenceError
+from cadence.fast.kernels import DRAFT_FORMATS, draft_linear
 from cadence.heads.tables import DraftPolicy
 
 
@@ -109,12 +110,25 @@ class DraftHeads(nn.Module):
             self._refresh_draft_weight()
         return self
 
+    def set_draft_format(self, fmt: str) -> "DraftHeads":
+        """Hold the drafting kernels' weights as ``fmt`` (``fast.kernels.DRAFT_FORMATS``):
+        ``dense`` (the heads' dtype) or ``q8_0`` (GGUF Q8_0 blocks on the integer kernel,
+        about half bf16's bytes to read per draft, on CPUs). Marks every submodule, so the
+        attention blocks' packed projections, eagle's ``fc`` and the draft-vocabulary LM head
+        are rebuilt in it at their next drafting call. Drafts only: verification is unchanged,
+        so output is too; only which tokens are proposed may differ (rounding)."""
+        if fmt not in DRAFT_FORMATS:
+            raise CadenceError(f"unknown draft weight format {fmt!r}; choose one of {', '.join(DRAFT_FORMATS)}")
+        for m in self.modules():
+            m.__dict__["draft_format"] = fmt
+        self._refresh_draft_weight()
+        return self
+
     def _refresh_draft_weight(self) -> None:
         if self.draft_vocab is not None and self._shared is not None:
             w = self._shared[1].weight
             self._draft_weight = w.index_select(0, self.draft_vocab.to(w.device)).contiguous()
-            kind = resolve_kind("auto", w.device, w.dtype)
-            self._draft_kernel = Linear(self._draft_weight, None, kind) if kind != "aten" else None
+            self._draft_kernel = draft_linear(self._draft_weight, self.__dict__.get("draft_format", "dense"))
         else:
             self._draft_weight = self._draft_kernel = None
 

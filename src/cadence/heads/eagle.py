@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from cadence.errors import CadenceError
-from cadence.fast.kernels import Linear, resolve_kind
-from cadence.heads.attn_block import KV, Block, packed, segment_causal, shape_from_config
+from cadence.fast.kernels import draft_linear
+from cadence.heads.attn_block import KV, Block, draft_format, packed, segment_causal, shape_from_config
 from cadence.heads.base import DraftHeads, HeadConfig
 
 
@@ -149,12 +149,11 @@ class EagleHeads(DraftHeads):
     def _fc_base(self, x: torch.Tensor) -> torch.Tensor:
         """fc restricted to [E ; f] (x (..., 2d)): a drafted node's entry, whose tap slots are zero."""
         w = self.fc.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        key = (w.data_ptr(), w._version, w.dtype, w.device, draft_format(self))
         hit = self.__dict__.get("_base_fc")
         if hit is None or hit[0] != key:
             base = w.detach()[:, :2 * self.cfg.hidden_size].contiguous()
-            kind = resolve_kind("auto", w.device, w.dtype)
-            self.__dict__["_base_fc"] = hit = (key, base, Linear(base, None, kind) if kind != "aten" else None)
+            self.__dict__["_base_fc"] = hit = (key, base, draft_linear(base, draft_format(self)))
         return hit[2](x) if hit[2] is not None else nn.functional.linear(x, hit[1])
 
     # ------------------------------------------------------------------ training

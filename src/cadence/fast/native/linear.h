@@ -45,6 +45,12 @@ struct Lin {
   std::optional<at::Tensor> bias;
   int64_t in = 0, out = 0, min_rows = 1, max_rows = 0, group = 32;
 
+  // GGUF blocks take fp32 activations: a bf16 caller (quantized drafting weights) is cast in and out
+  at::Tensor gguf(const at::Tensor& x) const {
+    if (x.scalar_type() == at::kFloat) return q_linear(x, w, group, out, bias);
+    return q_linear(x.to(at::kFloat), w, group, out, bias).to(x.scalar_type());
+  }
+
   // x2: (m, in) contiguous -> (m, out); padded to min_rows rows (``Linear._rows``)
   at::Tensor rows(at::Tensor x2) const {
     const int64_t m = x2.size(0);
@@ -53,7 +59,7 @@ struct Lin {
     }
     at::Tensor y;
     if (kind == AMX || kind == AMX_SWIGLU) return amx_linear(x2, w, bias, out, kind == AMX_SWIGLU);
-    if (kind == GGUF) return q_linear(x2, w, group, out, bias);
+    if (kind == GGUF) return gguf(x2);
     if (kind == INT8 || kind == INT4) {
       y = kind == INT8 ? at::_weight_int8pack_mm(x2.contiguous(), w, scale)
                        : at::_weight_int4pack_mm_for_cpu(x2.contiguous(), w, group, scale);
@@ -68,7 +74,7 @@ struct Lin {
   at::Tensor operator()(const at::Tensor& x, bool blocked) const {
     if (kind == ATEN) return at::linear(x, w, bias);
     if (kind == AMX || kind == AMX_SWIGLU) return amx_linear(x, w, bias, out, kind == AMX_SWIGLU);  // any row count
-    if (kind == GGUF) return q_linear(x, w, group, out, bias);  // any row count: rows are independent
+    if (kind == GGUF) return gguf(x);  // any row count: rows are independent
     const int64_t cap = blocked ? max_rows : 0;
     const int64_t n = x.numel() / in;
     if (kind == ONEDNN && min_rows <= n && x.is_contiguous() && (!cap || n <= cap)) {
