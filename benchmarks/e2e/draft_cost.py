@@ -14,6 +14,7 @@ there), ``~py`` runs the attention heads' drafter block in Python instead of C++
 (``fast/native/draft_block.cpp``), e.g. ``eagle/nocopy eagle/nocopy~fp32~py``.
 
 Usage:  python benchmarks/e2e/draft_cost.py [--methods hydra eagle mtp-attn] [--max-new-tokens 128]
+            [--dtype float32 --quant gguf]
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quant", default="none", help="the backbone's --quant (gguf: the GGUF file's blocks, with --dtype float32)")
     ap.add_argument("--methods", nargs="+", default=["vanilla", "hydra", "eagle", "mtp-attn"],
                     help="method names (MethodSpec.parse, as cadence generate --method), then variant flags "
                          "~fp32 (float32 heads) and ~py (drafter block in Python)")
@@ -167,7 +169,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="", help="write the rows as JSON here")
     args = ap.parse_args()
-    bb = common.backbone(args.model, args.dtype)
+    bb = common.backbone(args.model, args.dtype, quant=args.quant)
     rows = measure(bb, args.methods, args.max_new_tokens, args.repeats)
     info = common.machine()
     print(f"Machine: {common.machine_line(info)}; backbone {bb.dtype}\n")
