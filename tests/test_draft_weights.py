@@ -78,18 +78,14 @@ def test_the_method_grammar_carries_the_draft_weights():
     spec = MethodSpec.parse("eagle@eagle-taps,draft_weights=q8_0")
     assert spec.draft_weights == "q8_0"
     assert MethodSpec.parse(spec.format()).draft_weights == "q8_0"
-    assert MethodSpec.parse("eagle").draft_weights == "auto"
+    assert MethodSpec.parse("eagle").draft_weights == "dense"
 
 
 @needs_kernel
-def test_auto_drafts_in_q8_0_where_it_runs_and_dense_elsewhere():
-    """``auto`` (the default of ``--draft-weights``) is Q8_0 on a CPU with the extension, dense
-    where Q8_0 cannot run (a width that is not whole blocks); unmarked heads draft dense."""
+def test_q8_0_applies_where_it_runs_and_falls_back_to_dense_elsewhere():
+    """``q8_0`` needs whole blocks (in % 32 == 0): other widths keep the dense kernel; the
+    default is dense."""
     w = torch.randn(64, 64)
-    assert draft_linear(w, "auto").kind == "gguf"
-    assert draft_linear(torch.randn(64, 48), "auto").kind != "gguf"
+    assert draft_linear(w, "q8_0").kind == "gguf"
+    assert draft_linear(torch.randn(64, 48), "q8_0").kind != "gguf"
     assert draft_linear(w).kind != "gguf"
-    bb = _bf16_backbone()
-    spec = MethodSpec(method=Method.EAGLE, heads="random", tree="tree-8", scheduler="static", copy=False)
-    heads = make_engine(bb, spec).drafter.heads
-    assert {k.kind for k in heads.layers[0].decode_kernels().values()} == {"gguf"}

@@ -245,7 +245,7 @@ class Linear:
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
-DRAFT_FORMATS = ("auto", "dense", "q8_0")  # how drafting kernels hold their weights (``draft_linear``)
+DRAFT_FORMATS = ("dense", "q8_0")  # how drafting kernels hold their weights (``draft_linear``)
 
 
 def q8_0_drafts_here(weight: torch.Tensor) -> bool:
@@ -259,13 +259,13 @@ def draft_linear(weight: torch.Tensor, fmt: str = "dense") -> Linear | None:
     the device's fastest kind (None where that is plain ``F.linear``: CUDA); ``q8_0`` rounds W
     to GGUF Q8_0 blocks on the integer kernel (``Linear.q8_0``: about half bf16's bytes and a
     quarter of fp32's, the activations rounded to 8 bits per 32 as llama.cpp does) where it
-    runs (``q8_0_drafts_here``), else ``dense``; ``auto`` is ``q8_0``. Drafting reads these
-    weights once per tree level, bound by memory, so fewer bytes are faster (AMX Xeon,
-    eagle-taps: 5.2 -> 4.3 ms of drafting per step on the bf16 backbone, 4.9 -> 2.5 ms with fp32
-    heads on the GGUF path). Drafts are verified, so no format changes the output."""
+    runs (``q8_0_drafts_here``), else ``dense``. Drafting reads these weights once per tree
+    level, bound by memory, so fewer bytes are faster (AMX Xeon, eagle-taps: 4.5 -> 4.2 ms of
+    drafting per step on the bf16 backbone, 4.9 -> 2.5 ms with fp32 heads on the GGUF path).
+    Drafts are verified, so no format changes the output."""
     if fmt not in DRAFT_FORMATS:
         raise ValueError(f"unknown draft weight format {fmt!r}; choose one of {DRAFT_FORMATS}")
-    if fmt in ("q8_0", "auto") and q8_0_drafts_here(weight):
+    if fmt == "q8_0" and q8_0_drafts_here(weight):
         return Linear.q8_0(weight)
     kind = resolve_kind("auto", weight.device, weight.dtype)
     return Linear(weight, None, kind) if kind != "aten" else None

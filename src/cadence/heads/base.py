@@ -112,9 +112,9 @@ class DraftHeads(nn.Module):
 
     def set_draft_format(self, fmt: str) -> "DraftHeads":
         """Hold the drafting kernels' weights as ``fmt`` (``fast.kernels.DRAFT_FORMATS``):
-        ``dense`` (the heads' dtype), ``q8_0`` (GGUF Q8_0 blocks on the integer kernel, about
-        half bf16's bytes to read per draft, on CPUs) or ``auto`` (``q8_0`` where it runs;
-        unmarked heads draft ``dense``). Marks every submodule, so the
+        ``dense`` (the heads' dtype; unmarked heads draft so) or ``q8_0`` (GGUF Q8_0 blocks on
+        the integer kernel, about half bf16's bytes to read per draft, on CPUs). Marks every
+        submodule, so the
         attention blocks' packed projections, eagle's ``fc`` and the draft-vocabulary LM head
         are rebuilt in it at their next drafting call. Drafts only: verification is unchanged,
         so output is too; only which tokens are proposed may differ (rounding)."""
