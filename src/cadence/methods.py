@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -255,6 +256,10 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     if spec.method is Method.NGRAM:
         return _ngram_engine(backbone, spec)
     heads = resolve_heads(backbone, spec)
+    if spec.heads != "random" and spec.tree == "auto" and not heads.policy.calibrated:
+        print(f"cadence: the {spec.method.value} heads '{spec.heads}' carry no acceptance table, so they draft "
+              f"the top-1 chain of {heads.K} every step; `cadence calibrate --heads DIR --data STORE` measures one "
+              "and trees sized for this machine follow", file=sys.stderr)
     if spec.context_vocab < 0:
         raise CadenceError(f"--context-vocab must be >= 0, got {spec.context_vocab}")
     drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec), spec.context_vocab)

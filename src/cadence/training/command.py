@@ -97,5 +97,7 @@ def run_train_command(args) -> int:
                      + ", top-5 " + " / ".join(f"{a:.3f}" for a in ev["top5"]) + f", tau {ev['tau']:.3f}")
         print(line, file=sys.stderr)
         if result.status == "finished":
+            print(f"next: cadence calibrate --heads {cfg.out}/heads --data {cfg.data} (until then the heads "
+                  "draft the top-1 chain only; calibrated, they grow trees sized for this machine)", file=sys.stderr)
             print(json.dumps({"heads": str(cfg.out) + "/heads", **{k: s[k] for k in ("step", "tokens_per_s")}}))
     return 0
