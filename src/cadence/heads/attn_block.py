@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.fast import native
-from cadence.fast.kernels import Linear, draft_linear, linear_ints, resolve_kind
+from cadence.fast.kernels import Linear, draft_linear, linear_ints
+from cadence.heads.base import draft_format
 from cadence.heads.mtp import RMSNorm
 
 
@@ -80,12 +81,6 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def draft_format(module: nn.Module) -> str:
-    """How ``module``'s drafting kernels hold their weights (``fast.kernels.DRAFT_FORMATS``),
-    as ``DraftHeads.set_draft_format`` marked it; ``dense`` when unmarked."""
-    return module.__dict__.get("draft_format", "dense")
 
 
 def packed(owner: nn.Module, groups: dict[str, list[nn.Linear]]) -> dict[str, Linear] | None:

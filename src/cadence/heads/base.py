@@ -28,6 +28,12 @@ from cadence.fast.kernels import DRAFT_FORMATS, draft_linear
 from cadence.heads.tables import DraftPolicy
 
 
+def draft_format(module: nn.Module) -> str:
+    """How ``module``'s drafting kernels hold their weights (``fast.kernels.DRAFT_FORMATS``),
+    as ``DraftHeads.set_draft_format`` marked it; ``dense`` when unmarked."""
+    return module.__dict__.get("draft_format", "dense")
+
+
 @dataclass
 class HeadConfig:
     """Shape and identity of a set of heads; saved as config.json next to the weights."""
@@ -114,9 +120,8 @@ class DraftHeads(nn.Module):
         """Hold the drafting kernels' weights as ``fmt`` (``fast.kernels.DRAFT_FORMATS``):
         ``dense`` (the heads' dtype; unmarked heads draft so) or ``q8_0`` (GGUF Q8_0 blocks on
         the integer kernel, about half bf16's bytes to read per draft, on CPUs). Marks every
-        submodule, so the
-        attention blocks' packed projections, eagle's ``fc`` and the draft-vocabulary LM head
-        are rebuilt in it at their next drafting call. Drafts only: verification is unchanged,
+        submodule, so the attention blocks' packed projections, eagle's ``fc`` and the
+        draft-vocabulary LM head are rebuilt in it at their next drafting call. Drafts only: verification is unchanged,
         so output is too; only which tokens are proposed may differ (rounding)."""
         if fmt not in DRAFT_FORMATS:
             raise CadenceError(f"unknown draft weight format {fmt!r}; choose one of {', '.join(DRAFT_FORMATS)}")
@@ -129,7 +134,7 @@ class DraftHeads(nn.Module):
         if self.draft_vocab is not None and self._shared is not None:
             w = self._shared[1].weight
             self._draft_weight = w.index_select(0, self.draft_vocab.to(w.device)).contiguous()
-            self._draft_kernel = draft_linear(self._draft_weight, self.__dict__.get("draft_format", "dense"))
+            self._draft_kernel = draft_linear(self._draft_weight, draft_format(self))
         else:
             self._draft_weight = self._draft_kernel = None
 
