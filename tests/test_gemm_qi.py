@@ -119,6 +119,32 @@ def test_products_are_the_stated_arithmetic_bit_for_bit(qtype, k):
     assert torch.allclose(ops.q_linear(torch.from_numpy(x), p, pt, out, None), dense, rtol=0.05, atol=0.05 * k ** 0.5)
 
 
+@pytest.mark.skipif(not packs or not ops.q_amx(), reason="needs a build with AMX-INT8 on a CPU that has it")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [96, 576])
+def test_amx_tiles_give_the_vector_codes_bits(qtype, k):
+    """Calls of 16 rows or more run on AMX int8 tiles: the same exact block sums, the same
+    epilogue, so the same bits as the stated arithmetic and as the vector code."""
+    out = 72  # four full groups and a scalar one
+    b = blocks(weights(out, k, int(qtype) + 3 * k), qtype)
+    p, pt = packed(b, qtype, k)
+    rng = np.random.default_rng(k + 1)
+    bias = torch.from_numpy(rng.standard_normal(out).astype(np.float32))
+    for m in (16, 17, 40):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[3, :32] = 0.0
+        x[m - 1, 7] = -50.0
+        got = ops.q_linear(torch.from_numpy(x), p, pt, out, bias)
+        want = reference(x, b, qtype, bias)
+        assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32)), (m, np.abs(got.numpy() - want).max())
+        was = ops.set_q_amx(False)
+        try:
+            vector = ops.q_linear(torch.from_numpy(x), p, pt, out, bias)
+        finally:
+            ops.set_q_amx(was)
+        assert torch.equal(got, vector), m
+
+
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_other_rows_or_threads(qtype):

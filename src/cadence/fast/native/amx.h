@@ -29,14 +29,15 @@ inline bool amx_permitted() {
 // build it: ldtilecfg reads memory the compiler does not see it read (without the barrier, the
 // attention kernel's configuration, moved here from attention_amx.cpp, faulted in
 // test_listed_attention: ldtilecfg got an invalid one).
-inline void load_tile_rows(const uint8_t (&rows)[8]) {
+// ``colsb``: bytes per row of each tile (64 unless given).
+inline void load_tile_rows(const uint8_t (&rows)[8], const uint8_t (&colsb)[8] = {64, 64, 64, 64, 64, 64, 64, 64}) {
   struct alignas(64) Config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
   } cfg{};
   cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = rows[t];
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = colsb[t], cfg.rows[t] = rows[t];
   asm volatile("" : : "r"(&cfg) : "memory");  // the stores above happen before ldtilecfg reads them
   _tile_loadconfig(&cfg);
 }

@@ -347,7 +347,7 @@ at::Tensor q_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
 
 std::string q_isa() {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-  return "avx512-vnni";
+  return q_amx_on() ? "avx512-vnni-amx" : "avx512-vnni";  // -amx: trees on AMX int8 tiles (gemm_qi.cpp)
 #elif defined(__AVX512F__)
   return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)

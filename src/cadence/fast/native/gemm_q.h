@@ -42,6 +42,12 @@ at::Tensor q_unpack(const at::Tensor& w, int64_t packed, int64_t K);
 at::Tensor q_linear_packed(const at::Tensor& x2, const at::Tensor& w, int64_t packed, int64_t out, const float* bias,
                            at::Tensor y);
 
+// Whether ``q_linear`` runs calls of 2 rows or more on AMX int8 tiles (``gemm_qi.cpp``: a build
+// with AMX-INT8, Linux's permission, CADENCE_AMX not 0); the bits are those of the vector code.
+bool q_amx_on();
+// tests only: the AMX int8 path on / off (where it can run); returns the previous setting.
+bool set_q_amx(bool on);
+
 // Which vector code ``q_linear`` was compiled to: "avx512", "avx2" or "generic".
 std::string q_isa();
 

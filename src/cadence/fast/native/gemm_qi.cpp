@@ -36,9 +36,12 @@
 //
 // Work: groups split across threads; a group runs its column tiles (AVX-512: 16 columns, AVX2: 8)
 // against every row tile (AVX-512: up to 8 rows, AVX2: up to 4), so the weights stream from
-// memory once per call.
+// memory once per call. Calls of 16 rows or more run on AMX int8 tiles where the CPU has them
+// (below), with the same bits.
 
 #include "gemm_q.h"
+
+#include "amx.h"
 
 #include <ATen/Parallel.h>
 
@@ -372,6 +375,134 @@ void run(const Args& a, int64_t g0, int64_t g1) {
 }
 #endif  // QI_ON
 
+#if defined(QI_ON) && defined(CADENCE_AMX) && defined(__AMX_INT8__)
+#define QI_AMX 1
+// AMX int8 tiles, for calls of at least AMX_ROWS rows (big tree verifies). Per full group of 16 columns and block b
+// of 32 inputs: C (M rows x 16 int32) = A (M activation rows' 32 bytes of block b) x B (the
+// block's weights as 8 tile rows, row v holding inputs 4v..4v+3 of the 16 columns, 4 bytes a
+// column): exactly the group's chunk layout for Q8_0 (``TDPBSSD``, s8 x s8), and for Q4_* the
+// low nibbles of chunks 0-3 (inputs 0-15) then the high ones (16-31), unpacked per call into
+// a 512-byte buffer (``TDPBSUD``, s8 activations x u8 nibbles). Each C row is the block's exact
+// integer sum isum of the vector code, and the epilogue is the vector code's (the same
+// intrinsics on the same values in the same block order), so a row's bits are those of the
+// vector kernel's: which kernel ran, and how many rows, changes nothing (tests/test_gemm_qi.py).
+// Tiles: 0-1 A, 2-3 B, 4-7 C of up to four blocks in flight. Rows go 16 at a time (the
+// activation rows are padded with zeros to a multiple of 16 past 16 rows).
+// Why only from 16 rows: a block's scales differ per block, so each tile product covers one
+// block of 32 inputs and its C tile is stored and scaled by vector code before the next; those
+// fixed costs per block make the tiles slower than VNNI below about 12 rows. Measured
+// (2026-12-06, AMX Xeon, 2 threads, in-process A/B, us per call, vector / tiles): Q4_1 576 ->
+// 3072 at 2/8/16/32 rows 20/49, 44/56, 79/74, 160/145; the Q8_0 LM head (576 -> 49152) 626/828,
+// 853/977, 1531/1177, 2780/1894. Whole SmolLM2 forwards (binary trees after 200 tokens, median
+// of 7): T(16) 16.84 -> 14.37 ms, T(32) 27.18 -> 24.18, T(8) unchanged.
+constexpr int64_t AMX_ROWS = 16;
+constexpr int AMX_M = 16;  // rows in a tile
+
+void configure_qi(int M) {
+  const uint8_t r = static_cast<uint8_t>(M);
+  load_tile_rows({r, r, 8, 8, r, r, r, r}, {32, 32, 64, 64, 64, 64, 64, 64});
+}
+
+// a Q4 block's 4 chunks (at q) -> B's 8 rows at ``to``: low nibbles (inputs 4v..) then high (16 + 4v..)
+inline void unpack_q4(const uint8_t* q, uint8_t* to) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i z = _mm512_loadu_si512(q + 64 * v);
+    _mm512_store_si512(to + 64 * v, _mm512_and_si512(z, m4));
+    _mm512_store_si512(to + 256 + 64 * v, _mm512_and_si512(_mm512_srli_epi16(z, 4), m4));
+  }
+}
+
+struct alignas(64) AmxScratch {
+  int32_t c[4][AMX_M][16];  // C tiles of up to four blocks
+  uint8_t b[4][512];         // unpacked Q4 blocks
+};
+
+// block b's weights as a B tile's rows (Q4: unpacked into ``to``)
+template <int64_t Q>
+inline const uint8_t* b_rows(const Geo& g, const uint8_t* grp, int64_t b, uint8_t* to) {
+  const uint8_t* w = grp + g.q_at(GW, b, 0, 0);
+  if constexpr (Q == Q_Q8_0) return w;
+  unpack_q4(w, to);
+  return to;
+}
+
+// block b's product into C tile CT, through A tile AT and B tile BT (GCC's tile intrinsics
+// paste the tile number into the instruction: literals only)
+#define QI_BLOCK(AT, BT, CT, BLK)                                            \
+  do {                                                                       \
+    const uint8_t* w_ = b_rows<Q>(g, grp, (BLK), s.b[CT - 4]);               \
+    _tile_loadd(AT, xr + (BLK) * QK, g.x_bytes);                             \
+    _tile_loadd(BT, w_, 64);                                                 \
+    _tile_zero(CT);                                                          \
+    if constexpr (Q == Q_Q8_0) _tile_dpbssd(CT, AT, BT);                     \
+    else _tile_dpbsud(CT, AT, BT);                                           \
+  } while (0)
+
+// rows [r0, r0 + M) of a full group at ``grp`` (its first column j); xq: activation rows
+template <int64_t Q>
+void group_amx(const Args& a, const uint8_t* grp, int64_t j, int64_t r0, int M, AmxScratch& s) {
+  const Geo& g = a.g;
+  const uint8_t* xr = a.x + r0 * g.x_bytes;
+  __m512 acc[AMX_M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < g.nb; b0 += 4) {
+    const int nt = static_cast<int>(std::min<int64_t>(4, g.nb - b0));
+    QI_BLOCK(0, 2, 4, b0);
+    if (nt > 1) QI_BLOCK(1, 3, 5, b0 + 1);
+    if (nt > 2) QI_BLOCK(0, 2, 6, b0 + 2);
+    if (nt > 3) QI_BLOCK(1, 3, 7, b0 + 3);
+    _tile_stored(4, s.c[0], 64);
+    if (nt > 1) _tile_stored(5, s.c[1], 64);
+    if (nt > 2) _tile_stored(6, s.c[2], 64);
+    if (nt > 3) _tile_stored(7, s.c[3], 64);
+    for (int t = 0; t < nt; ++t) {  // the vector tile's epilogue, block by block in order
+      const int64_t b = b0 + t;
+      const VF dw = scales(grp + g.d_at(GW, b, 0));
+      const VF mv = Q == Q_Q4_1 ? scales(grp + g.m_at(GW, b, 0)) : dw;
+      for (int r = 0; r < M; ++r) {
+        const uint8_t* row = xr + r * g.x_bytes;
+        const VI is = _mm512_load_si512(s.c[t][r]);
+        acc[r] = fma_(cvt(is), mul_(dw, fset(reinterpret_cast<const float*>(row + g.x_d)[b])), acc[r]);
+        if constexpr (Q != Q_Q8_0) acc[r] = fma_(mv, fset(reinterpret_cast<const float*>(row + g.x_s)[b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < M && r0 + r < a.m; ++r) {
+    float* y = a.y + (r0 + r) * a.N + j;
+    store(y, a.bias ? addf(acc[r], loadf(a.bias + j)) : acc[r]);
+  }
+}
+
+// groups [g0, g1) on AMX tiles; the last group of a matrix whose N is not a multiple of 16 in
+// scalar code, as ``run``
+template <int64_t Q>
+void run_amx(const Args& a, int64_t g0, int64_t g1) {
+  const int M = static_cast<int>(std::min<int64_t>(AMX_M, a.m));
+  configure_qi(M);
+  AmxScratch s;
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    const int64_t j = gi * GW, G = std::min<int64_t>(GW, a.N - j);
+    const uint8_t* grp = a.w + j * a.rb;
+    if (G < GW) {
+      for (int64_t r = 0; r < a.m; ++r)
+        for (int64_t c = 0; c < G; ++c) {
+          const float t = column<Q>(a.g, grp, G, c, a.x + r * a.g.x_bytes);
+          a.y[r * a.N + j + c] = a.bias ? t + a.bias[j + c] : t;
+        }
+      continue;
+    }
+    prefetch_group(a, gi + 1, g1);
+    for (int64_t r0 = 0; r0 < a.m; r0 += AMX_M) group_amx<Q>(a, grp, j, r0, M, s);
+  }
+  _tile_release();
+}
+
+#undef QI_BLOCK
+
+int amx_state = -1;  // -1 undecided, 0 off, 1 on
+#endif  // QI_AMX
+
 // copies a column's blocks between the file's layout (``file``) and a group's (``grp``, G columns)
 void move_column(const Geo& g, int64_t type, int64_t G, int64_t c, uint8_t* file, uint8_t* grp, bool to_group) {
   const int64_t bb = file_block_bytes(type), qoff = type == Q_Q4_1 ? 4 : 2;
@@ -401,6 +532,25 @@ void repack(const at::Tensor& from, at::Tensor& to, int64_t type, int64_t K, boo
 }
 
 }  // namespace
+
+bool q_amx_on() {
+#if defined(QI_AMX)
+  if (amx_state < 0) amx_state = amx_env_allows() && amx_permitted() ? 1 : 0;
+  return amx_state == 1;
+#else
+  return false;
+#endif
+}
+
+bool set_q_amx(bool on) {
+  const bool was = q_amx_on();
+#if defined(QI_AMX)
+  amx_state = on && amx_permitted() ? 1 : 0;
+#else
+  (void)on;
+#endif
+  return was;
+}
 
 int64_t q_packed_type(int64_t type, int64_t K) {
 #if defined(QI_ON)
@@ -433,13 +583,30 @@ at::Tensor q_linear_packed(const at::Tensor& x2, const at::Tensor& w, int64_t pa
 #if defined(QI_ON)
   const int64_t type = packed & ~Q_PACKED, K = x2.size(1), m = x2.size(0);
   const Geo g = geo(type, K);
-  at::Tensor xq = at::empty({m, g.x_bytes}, x2.options().dtype(at::kByte));
+#if defined(QI_AMX)
+  const bool amx = m >= AMX_ROWS && q_amx_on();
+  const int64_t rows = amx && m > AMX_M ? (m + AMX_M - 1) / AMX_M * AMX_M : m;  // whole tiles past 16 rows
+#else
+  const int64_t rows = m;
+#endif
+  at::Tensor xq = at::empty({rows, g.x_bytes}, x2.options().dtype(at::kByte));
   const float* xs = x2.data_ptr<float>();
   uint8_t* xd = xq.data_ptr<uint8_t>();
   for (int64_t r = 0; r < m; ++r) quantize_row(xs + r * K, g, type, xd + r * g.x_bytes);
+  if (rows > m) std::memset(xd + m * g.x_bytes, 0, (rows - m) * g.x_bytes);
   const Args a{w.data_ptr<uint8_t>(), xd, bias, y.data_ptr<float>(), m, out, w.size(1), g};
   const int64_t groups = (out + GW - 1) / GW;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+#if defined(QI_AMX)
+  if (amx) {
+    at::parallel_for(0, groups, (groups + threads - 1) / threads, [&](int64_t g0, int64_t g1) {
+      if (type == Q_Q4_0) run_amx<Q_Q4_0>(a, g0, g1);
+      else if (type == Q_Q4_1) run_amx<Q_Q4_1>(a, g0, g1);
+      else run_amx<Q_Q8_0>(a, g0, g1);
+    });
+    return y;
+  }
+#endif
   at::parallel_for(0, groups, (groups + threads - 1) / threads, [&](int64_t g0, int64_t g1) {
     if (type == Q_Q4_0) run<Q_Q4_0>(a, g0, g1);
     else if (type == Q_Q4_1) run<Q_Q4_1>(a, g0, g1);

@@ -280,6 +280,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q_pack", &cadence::q_pack, "GGUF blocks -> the integer kernel's layout, or as they are (gemm_qi.cpp)");
   m.def("q_unpack", &cadence::q_unpack, "q_pack's inverse (gemm_qi.cpp)");
   m.def("q_packed_type", &cadence::q_packed_type, "the type q_pack makes of a GGML type's rows (gemm_qi.cpp)");
+  m.def("q_amx", &cadence::q_amx_on, "whether q_linear runs calls of 2+ rows on AMX int8 tiles (gemm_qi.cpp)");
+  m.def("set_q_amx", &cadence::set_q_amx, "tests only: q_linear's AMX int8 path on/off; returns the previous");
   m.def("q_isa", &cadence::q_isa, "the vector code q_linear was built to: avx512, avx2 or generic (gemm_q.cpp)");
   m.def("argmax_rows", &cadence::argmax_rows, "x.argmax(-1) of CPU rows, one vector pass (fused.cpp)");
   m.def("silu_mul", &cadence::silu_mul, "silu(gate) * up of [gate | up] rows, one pass (fused.cpp)");
