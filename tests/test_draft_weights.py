@@ -78,14 +78,32 @@ def test_the_method_grammar_carries_the_draft_weights():
     spec = MethodSpec.parse("eagle@eagle-taps,draft_weights=q8_0")
     assert spec.draft_weights == "q8_0"
     assert MethodSpec.parse(spec.format()).draft_weights == "q8_0"
-    assert MethodSpec.parse("eagle").draft_weights == "dense"
+    assert MethodSpec.parse("eagle").draft_weights == "auto"
+    assert MethodSpec.parse("eagle,draft_weights=dense").format() == "eagle,draft_weights=dense"
 
 
 @needs_kernel
 def test_q8_0_applies_where_it_runs_and_falls_back_to_dense_elsewhere():
-    """``q8_0`` needs whole blocks (in % 32 == 0): other widths keep the dense kernel; the
-    default is dense."""
+    """``q8_0`` needs whole blocks (in % 32 == 0): other widths keep the dense kernel. ``auto``
+    (``MethodSpec``'s default) is q8_0 for fp32 weights (faster at every row count) and dense
+    for bf16 ones (AMX beats the integer kernel past about 4 rows); unmarked heads draft dense."""
     w = torch.randn(64, 64)
     assert draft_linear(w, "q8_0").kind == "gguf"
     assert draft_linear(torch.randn(64, 48), "q8_0").kind != "gguf"
     assert draft_linear(w).kind != "gguf"
+    assert draft_linear(w, "auto").kind == "gguf"
+    assert draft_linear(torch.randn(64, 48), "auto").kind != "gguf"
+    assert draft_linear(w.to(torch.bfloat16), "auto").kind != "gguf"
+
+
+@needs_kernel
+def test_methods_draft_fp32_heads_in_q8_0_by_default():
+    """An engine from a default ``MethodSpec`` on an fp32 backbone drafts through Q8_0 kernels
+    (``draft_weights=auto``), and its output is still plain decoding's."""
+    bb = FastBackbone.from_backbone(tiny_backbone("llama", hidden=128))
+    cfg = GenerationConfig(max_new_tokens=16)
+    ref = [Engine(bb).generate(p, cfg).tokens for p in PROMPTS]
+    engine = make_engine(bb, MethodSpec(method=Method.EAGLE, heads="random", tree="tree-8", scheduler="static"))
+    for p, r in zip(PROMPTS, ref):
+        assert engine.generate(p, cfg).tokens == r
+    assert {k.kind for k in engine.drafter.heads.layers[0].decode_kernels().values()} == {"gguf"}

@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quants", nargs="+", default=["int8", "int4"])
+    ap.add_argument("--also-dtypes", nargs="*", default=[],
+                    help="more unquantized dtypes scored against the reference, e.g. bfloat16 against --dtype "
+                         "float32 (which path is nearer the file: bf16 rounds the dequantized weights)")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--limit", type=int, default=4, help="prompts per task (the bench's seeded subset)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -88,6 +91,8 @@ def main() -> None:
 
     ref = common.backbone(args.model, args.dtype, backend="fast")
     models = {f"cadence {ref.dtype} (reference)".replace("torch.", ""): ref}
+    for dt in args.also_dtypes:
+        models[f"cadence {dt}"] = common.backbone(args.model, dt, backend="fast")
     for q in args.quants:
         models[f"cadence --quant {q}"] = common.backbone(args.model, args.dtype, backend="fast", quant=q)
     llm = None

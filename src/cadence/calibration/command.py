@@ -68,8 +68,9 @@ class CalibrateConfig:
         "help": "calibrate drafting with the context vocabulary (MethodSpec.context_vocab; 0 = without)"})
     heads_dtype: str = field(default="auto", metadata={
         "help": "dtype the heads draft in while measured (MethodSpec.heads_dtype; auto: the backbone's bfloat16, else float32)"})
-    draft_weights: str = field(default="dense", metadata={
-        "help": "how the drafting kernels hold the weights while measured (MethodSpec.draft_weights): dense or q8_0"})
+    draft_weights: str = field(default="auto", metadata={
+        "help": "how the drafting kernels hold the weights while measured (MethodSpec.draft_weights): auto, "
+                "dense or q8_0"})
     split: str = field(default="val", metadata={
         "help": "store split measured (val: held out from training; train: when no val shards exist yet)"})
     profiles: bool = field(default=True, metadata={

@@ -245,7 +245,7 @@ class Linear:
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
-DRAFT_FORMATS = ("dense", "q8_0")  # how drafting kernels hold their weights (``draft_linear``)
+DRAFT_FORMATS = ("auto", "dense", "q8_0")  # how drafting kernels hold their weights (``draft_linear``)
 
 
 def q8_0_drafts_here(weight: torch.Tensor) -> bool:
@@ -254,17 +254,31 @@ def q8_0_drafts_here(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.shape[1] % 32 == 0 and _native() is not None
 
 
+def resolve_draft_format(weight: torch.Tensor, fmt: str = "auto") -> str:
+    """``auto`` -> ``q8_0`` for fp32 drafting weights where it runs (``q8_0_drafts_here``), else
+    ``dense``; other formats as given. Why by dtype (``benchmarks/kernels/draft_kernels.py``,
+    AMX Xeon, 2026-12-06): against fp32 weights (oneDNN) Q8_0 was 2-10x faster at every row
+    count from 1 to 32, hot and cold (the draft-vocabulary LM head cold: 0.45 against 1.34 ms at 1
+    row, 0.80 against 2.07 at 32); against bf16 on AMX it wins only up to about 4 rows, and
+    sampled trees draft 8-16 rows per level (it ran slower sampled), so bf16 stays dense."""
+    if fmt != "auto":
+        return fmt
+    return "q8_0" if weight.dtype == torch.float32 and q8_0_drafts_here(weight) else "dense"
+
+
 def draft_linear(weight: torch.Tensor, fmt: str = "dense") -> Linear | None:
     """A drafting projection's kernel for W (out, in). ``fmt``: ``dense`` keeps W's dtype in
     the device's fastest kind (None where that is plain ``F.linear``: CUDA); ``q8_0`` rounds W
     to GGUF Q8_0 blocks on the integer kernel (``Linear.q8_0``: about half bf16's bytes and a
     quarter of fp32's, the activations rounded to 8 bits per 32 as llama.cpp does) where it
-    runs (``q8_0_drafts_here``), else ``dense``. Drafting reads these weights once per tree
+    runs (``q8_0_drafts_here``), else ``dense``; ``auto`` picks by dtype (``resolve_draft_format``:
+    ``q8_0`` for fp32 weights, ``dense`` for bf16). Drafting reads these weights once per tree
     level, bound by memory, so fewer bytes are faster (AMX Xeon, eagle-taps: 4.5 -> 4.2 ms of
     drafting per step on the bf16 backbone, 4.9 -> 2.5 ms with fp32 heads on the GGUF path).
     Drafts are verified, so no format changes the output."""
     if fmt not in DRAFT_FORMATS:
         raise ValueError(f"unknown draft weight format {fmt!r}; choose one of {DRAFT_FORMATS}")
+    fmt = resolve_draft_format(weight, fmt)
     if fmt == "q8_0" and q8_0_drafts_here(weight):
         return Linear.q8_0(weight)
     kind = resolve_kind("auto", weight.device, weight.dtype)

@@ -34,8 +34,10 @@ def resolve_quant(quant: str, device: torch.device, dtype: torch.dtype, gguf_pat
     Q8_0 or F16 matrices, and the native extension), an error where it cannot run. ``auto``:
     ``gguf`` where it can run, else ``none`` (on a CPU with native bf16, ``--dtype auto`` is
     bf16, whose AMX / oneDNN kernels were faster than this one on the AMX Xeon, so auto leaves
-    them be). Lossless relative to the file either way: both paths multiply by the file's
-    dequantized weights."""
+    them be). Neither is the file exactly: bf16 rounds the dequantized weights, ``gguf`` rounds
+    the activations as llama.cpp does; both stay as near fp32 on the file's weights as
+    llama.cpp is (``benchmarks/analysis/quant_quality.py``, docs/fast-path.md). Speculation is
+    lossless against plain decoding on whichever path runs."""
     if quant not in ("gguf", "auto"):
         return check_quant(quant, device, dtype), ""
     why_not = None

@@ -30,7 +30,8 @@ from cadence.heads.tables import DraftPolicy
 
 def draft_format(module: nn.Module) -> str:
     """How ``module``'s drafting kernels hold their weights (``fast.kernels.DRAFT_FORMATS``),
-    as ``DraftHeads.set_draft_format`` marked it; ``dense`` when unmarked."""
+    as ``DraftHeads.set_draft_format`` marked it; ``dense`` when unmarked (heads built or loaded
+    directly; ``methods.resolve_heads`` marks them with ``MethodSpec.draft_weights``, ``auto``)."""
     return module.__dict__.get("draft_format", "dense")
 
 
@@ -118,8 +119,10 @@ class DraftHeads(nn.Module):
 
     def set_draft_format(self, fmt: str) -> "DraftHeads":
         """Hold the drafting kernels' weights as ``fmt`` (``fast.kernels.DRAFT_FORMATS``):
-        ``dense`` (the heads' dtype; unmarked heads draft so) or ``q8_0`` (GGUF Q8_0 blocks on
-        the integer kernel, about half bf16's bytes to read per draft, on CPUs). Marks every
+        ``dense`` (the heads' dtype), ``q8_0`` (GGUF Q8_0 blocks on the integer kernel, about half
+        bf16's bytes and a quarter of fp32's to read per draft, on CPUs) or ``auto`` (``q8_0`` for
+        fp32 heads, ``dense`` for bf16; ``kernels.resolve_draft_format``; what ``MethodSpec``
+        asks by default). Unmarked heads draft ``dense``. Marks every
         submodule, so the attention blocks' packed projections, eagle's ``fc`` and the
         draft-vocabulary LM head are rebuilt in it at their next drafting call. Drafts only: verification is unchanged,
         so output is too; only which tokens are proposed may differ (rounding)."""
