@@ -391,10 +391,10 @@ void run(const Args& a, int64_t g0, int64_t g1) {
 // Why only from 16 rows: a block's scales differ per block, so each tile product covers one
 // block of 32 inputs and its C tile is stored and scaled by vector code before the next; those
 // fixed costs per block make the tiles slower than VNNI below about 12 rows. Measured
-// (2026-12-06, AMX Xeon, 2 threads, in-process A/B, us per call, vector / tiles): Q4_1 576 ->
-// 3072 at 2/8/16/32 rows 20/49, 44/56, 79/74, 160/145; the Q8_0 LM head (576 -> 49152) 626/828,
-// 853/977, 1531/1177, 2780/1894. Whole SmolLM2 forwards (binary trees after 200 tokens, median
-// of 7): T(16) 16.84 -> 14.37 ms, T(32) 27.18 -> 24.18, T(8) unchanged.
+// (2026-12-06, AMX Xeon, 2 threads, in-process A/B, us per call, vector / tiles, with the
+// tiles also allowed at 2-8 rows): Q4_1 576 -> 3072 at 2/8/16/32 rows 20/49, 44/56, 79/74,
+// 160/145; the Q8_0 LM head (576 -> 49152) 626/828, 853/977, 1531/1177, 2780/1894. At 16+ rows:
+// ``benchmarks/kernels/gguf_amx.py`` (docs/fast-path.md).
 constexpr int64_t AMX_ROWS = 16;
 constexpr int AMX_M = 16;  // rows in a tile
 
