@@ -377,8 +377,8 @@ void run(const Args& a, int64_t g0, int64_t g1) {
 
 #if defined(QI_ON) && defined(CADENCE_AMX) && defined(__AMX_INT8__)
 #define QI_AMX 1
-// AMX int8 tiles, for calls of at least AMX_ROWS rows (big tree verifies). Per full group of 16 columns and block b
-// of 32 inputs: C (M rows x 16 int32) = A (M activation rows' 32 bytes of block b) x B (the
+// AMX int8 tiles, for calls of at least AMX_ROWS rows (big tree verifies). Per full group of 16
+// columns and block b of 32 inputs: C (M rows x 16 int32) = A (M activation rows' 32 bytes of block b) x B (the
 // block's weights as 8 tile rows, row v holding inputs 4v..4v+3 of the 16 columns, 4 bytes a
 // column): exactly the group's chunk layout for Q8_0 (``TDPBSSD``, s8 x s8), and for Q4_* the
 // low nibbles of chunks 0-3 (inputs 0-15) then the high ones (16-31), unpacked per call into
@@ -439,7 +439,7 @@ inline const uint8_t* b_rows(const Geo& g, const uint8_t* grp, int64_t b, uint8_
     else _tile_dpbsud(CT, AT, BT);                                           \
   } while (0)
 
-// rows [r0, r0 + M) of a full group at ``grp`` (its first column j); xq: activation rows
+// rows [r0, r0 + M) of a full group at ``grp`` (its first column j); rows past a.m are padding
 template <int64_t Q>
 void group_amx(const Args& a, const uint8_t* grp, int64_t j, int64_t r0, int M, AmxScratch& s) {
   const Geo& g = a.g;
