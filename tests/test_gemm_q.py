@@ -272,6 +272,29 @@ def test_quant_auto_takes_gguf_only_where_it_applies(tmp_path):
         FastBackbone(type(model)(model.config).bfloat16(), tok, "q", quant="gguf", gguf_path=path)
 
 
+@needs_native
+def test_dtype_auto_runs_a_gguf_on_its_blocks_where_bf16_is_native(tmp_path, monkeypatch):
+    """On a CPU with native bf16, ``--dtype auto --quant auto`` takes fp32 for a GGUF model the
+    integer kernel reads (its blocks decode 2.5x faster than bf16), and bf16 otherwise."""
+    from cadence.backbone import load
+    from cadence.system import machine
+
+    model, _, path = gguf_model(tmp_path)
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("CADENCE_CPU_AUTO_DTYPE", raising=False)
+    monkeypatch.setattr(machine, "native_bf16", lambda: True)
+    monkeypatch.setattr(machine, "onednn_available", lambda: True)
+    dtype, why = load.auto_precision(model.config, cpu, "auto", "auto", path)
+    assert dtype == torch.float32 and "own blocks" in why
+    assert load.auto_precision(model.config, cpu, "auto", "none", path)[0] == torch.bfloat16  # --quant none
+    assert load.auto_precision(model.config, cpu, "auto", "auto", None)[0] == torch.bfloat16  # not a GGUF
+    assert load.auto_precision(model.config, cpu, "transformers", "auto", path)[0] is None
+    monkeypatch.setattr(load, "GGUF_FIRST", False)
+    assert load.auto_precision(model.config, cpu, "auto", "auto", path)[0] == torch.bfloat16
+    monkeypatch.setattr(machine, "native_bf16", lambda: False)  # AVX2: fp32 either way
+    assert load.auto_precision(model.config, cpu, "auto", "auto", path)[0] is None
+
+
 def test_the_isa_switch_narrows_the_flags_and_names_the_build(monkeypatch):
     from cadence import cli
     from cadence.system import machine as cpu

@@ -104,6 +104,8 @@ def _run_generate(args) -> int:
 def _precision(backbone) -> dict:
     """dtype, quant (and why) and kernels of the backbone, for --json."""
     out = {"dtype": str(backbone.dtype).replace("torch.", "")}
+    if getattr(backbone, "dtype_reason", ""):
+        out["dtype_reason"] = backbone.dtype_reason
     if hasattr(backbone, "quant"):
         out.update(quant=backbone.quant, quant_reason=backbone.quant_reason, kernels=backbone.kernels)
     return out

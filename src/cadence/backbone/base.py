@@ -95,6 +95,7 @@ class Backbone(nn.Module):
         self.tokenizer = tokenizer
         self.name = name
         self.gguf_path: Path | None = None  # the GGUF file the weights were dequantized from, if any (``--quant gguf``)
+        self.dtype_reason = ""  # why ``--dtype auto`` took this dtype (``load.auto_precision``), "" when not auto
         cfg = model.config
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size

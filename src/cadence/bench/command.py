@@ -51,7 +51,7 @@ def register(subparsers) -> None:
                    help="print the difference between two results.json files (or run directories) and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     # the decoding flags of `cadence generate`, from the same dataclasses
-    add_model_args(p, quant="none")  # every method, vanilla included, runs the same backbone
+    add_model_args(p)  # every method, vanilla included, runs the same backbone: generate's default path
     add_method_flags(p)
     add_fields(p, GenerationConfig, defaults={"max_new_tokens": 256})
     p.set_defaults(func=run)

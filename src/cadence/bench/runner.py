@@ -65,7 +65,7 @@ class BenchConfig:
     out: str = "bench-results"
     model: str = "smollm2"
     dtype: str = "auto"
-    quant: str = "none"  # none | int8 | int4 (weight-only; the backbone every method runs, vanilla included)
+    quant: str = "auto"  # auto | gguf | none | int8 | int4 (the backbone every method runs, vanilla included)
     device: str = "auto"
     custom: str | None = None  # JSONL file for the custom task
     subset_seed: int = 0
@@ -347,6 +347,16 @@ def check_resume(out: Path, cfg: BenchConfig, backbone_name: str) -> None:
     atomic_write_json(run_path, want)
 
 
+def precision_note(backbone) -> str:
+    """The path every method ran on, resolved (``--dtype auto`` / ``--quant auto`` name no path).
+    Example: "backbone path: float32, quant gguf, kernels gguf-avx512-vnni/...; auto: float32 on ..."."""
+    text = f"backbone path: {str(backbone.dtype).replace('torch.', '')}"
+    if hasattr(backbone, "quant"):
+        text += f", quant {backbone.quant}, kernels {backbone.kernels}"
+    reason = getattr(backbone, "dtype_reason", "")
+    return text + (f" ({reason})" if reason else "")
+
+
 def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) -> dict:
     """Measure, append records, and write results.json / report.md / plots under ``cfg.out``.
 
@@ -361,6 +371,7 @@ def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) 
     out.mkdir(parents=True, exist_ok=True)
     check_resume(out, cfg, backbone.name)
     engines, notes = build_engines(entries, backbone, cfg)
+    notes.insert(0, precision_note(backbone))
     plan = plan_tasks(cfg, backbone)
     notes += plan.notes
     records_path = out / "records.jsonl"

@@ -42,6 +42,14 @@ F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
 # the integer kernel's one-token forward took 10.9 ms against 39.9 on dense fp32 (docs/fast-path.md)
 AUTO = True
 
+# Whether ``--dtype auto --quant auto`` runs a GGUF model on its own blocks (fp32, ``--quant gguf``)
+# on CPUs with native bf16 too (``backbone.load.auto_precision`` decides): yes. Plain decoding of
+# the default Q4_1 GGUF, 28 held-out prompts, 128 tokens (``benchmarks/e2e/paths.py``): AMX Xeon
+# 165 against bf16's 65 tok/s (2026-12-06, f6ef803), AMD EPYC Zen 4 132 against 50 (2026-12-06,
+# 9b9f9e6); every speculative method measured was faster in tok/s on the blocks too, and both
+# paths are as near the file as llama.cpp is (``benchmarks/analysis/quant_quality.py``).
+GGUF_FIRST = True
+
 
 def describe() -> str:
     """What ``--quant gguf`` computes, for ``quant_reason``."""

@@ -13,7 +13,8 @@ from cadence.errors import CadenceError
 from cadence.fast import gguf, native
 
 # --quant: weight-only int8 / int4 of the fast decoder (``kernels``), a GGUF's own blocks (``gguf``),
-# or ``auto`` (``gguf`` where the model is a GGUF of block types it reads and the dtype is fp32)
+# or ``auto`` (``gguf`` where the model is a GGUF of block types it reads and the dtype is fp32,
+# which ``--dtype auto`` then is: ``backbone.load.auto_precision``)
 QUANTS = ("none", "int8", "int4", "gguf", "auto")
 
 
@@ -28,31 +29,37 @@ def check_quant(quant: str, device: torch.device, dtype: torch.dtype) -> str:
     return quant
 
 
+def gguf_blocker(device: torch.device, dtype: torch.dtype, gguf_path) -> str | None:
+    """Why ``--quant gguf`` cannot run for this model here (None where it can): it needs a CPU,
+    fp32, a model loaded from a GGUF whose layers hold Q4_0, Q4_1, Q8_0 or F16 matrices, and the
+    native extension (built here if it is not yet)."""
+    if device.type != "cpu":
+        return "runs on CPU only"
+    if dtype != torch.float32:
+        return f"computes in float32 and the model is {str(dtype).replace('torch.', '')} (--dtype float32)"
+    if gguf_path is None:
+        return "needs a model loaded from a GGUF file"
+    if native.module() is None:
+        return "needs the native extension (CADENCE_NATIVE=0, or its build failed: cadence env)"
+    types = gguf.layer_types(gguf_path)
+    if not any(t in gguf.BLOCK_TYPES.values() for t in types):
+        return f"reads Q4_0, Q4_1, Q8_0 and F16 blocks; the file's layers are {', '.join(sorted(types))}"
+    return None
+
+
 def resolve_quant(quant: str, device: torch.device, dtype: torch.dtype, gguf_path) -> tuple[str, str]:
     """(the quant that runs, why). ``gguf``: fp32 products on the GGUF file's own blocks
-    (``fast.gguf``; needs a CPU, fp32, a model loaded from a GGUF whose layers hold Q4_0, Q4_1,
-    Q8_0 or F16 matrices, and the native extension), an error where it cannot run. ``auto``:
-    ``gguf`` where it can run, else ``none`` (on a CPU with native bf16, ``--dtype auto`` is
-    bf16, whose AMX / oneDNN kernels were faster than this one on the AMX Xeon, so auto leaves
-    them be). Neither is the file exactly: bf16 rounds the dequantized weights, ``gguf`` rounds
-    the activations as llama.cpp does; both stay as near fp32 on the file's weights as
-    llama.cpp is (``benchmarks/analysis/quant_quality.py``, docs/fast-path.md). Speculation is
-    lossless against plain decoding on whichever path runs."""
+    (``fast.gguf``; ``gguf_blocker`` says what it needs), an error where it cannot run. ``auto``:
+    ``gguf`` where it can run, else ``none``. With ``--dtype auto`` too, a GGUF model it reads
+    runs in fp32 on its blocks even on CPUs with native bf16 (``backbone.load.auto_precision``:
+    there plain decoding on the blocks measured 2.5-2.6x bf16's). Neither is the file exactly:
+    bf16 rounds the dequantized weights, ``gguf`` rounds the activations as llama.cpp does; both
+    stay as near fp32 on the file's weights as llama.cpp is
+    (``benchmarks/analysis/quant_quality.py``, docs/fast-path.md). Speculation is lossless
+    against plain decoding on whichever path runs."""
     if quant not in ("gguf", "auto"):
         return check_quant(quant, device, dtype), ""
-    why_not = None
-    if device.type != "cpu":
-        why_not = "runs on CPU only"
-    elif dtype != torch.float32:
-        why_not = f"computes in float32 and the model is {str(dtype).replace('torch.', '')} (--dtype float32)"
-    elif gguf_path is None:
-        why_not = "needs a model loaded from a GGUF file"
-    elif native.module() is None:
-        why_not = "needs the native extension (CADENCE_NATIVE=0, or its build failed: cadence env)"
-    else:
-        types = gguf.layer_types(gguf_path)
-        if not any(t in gguf.BLOCK_TYPES.values() for t in types):
-            why_not = f"reads Q4_0, Q4_1, Q8_0 and F16 blocks; the file's layers are {', '.join(sorted(types))}"
+    why_not = gguf_blocker(device, dtype, gguf_path)
     if why_not is not None:
         if quant == "gguf":
             raise CadenceError(f"--quant gguf {why_not}")

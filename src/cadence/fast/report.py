@@ -22,7 +22,7 @@ from importlib import metadata
 import torch
 
 from cadence.fast import native
-from cadence.fast.gguf import AUTO
+from cadence.fast.gguf import AUTO, GGUF_FIRST
 from cadence.system import cache as disk_cache
 from cadence.system.machine import (
     cpu_flags, cpu_model, git_commit, has_amx, isa, isa_env, isa_limits, ISA_MARCH, isa_mismatch, native_bf16,
@@ -40,14 +40,16 @@ def _version(pkg: str) -> str | None:
 
 
 def auto_dtype() -> tuple[str, str]:
-    """(dtype, reason) that ``--dtype auto`` takes on this CPU for a fast-decoder model."""
+    """(dtype, reason) that ``--dtype auto`` takes on this CPU for a fast-decoder model that is not
+    a GGUF (``auto_quant`` says what a GGUF model gets)."""
     if os.environ.get("CADENCE_CPU_AUTO_DTYPE", "").lower() in ("float32", "fp32"):
         return "float32", "CADENCE_CPU_AUTO_DTYPE=float32 is set"
     if not native_bf16():
         return "float32", "no native bf16 math (AVX512-BF16 or AMX) usable here, so bf16 would not be lossless"
     if not onednn_available():
         return "float32", "this torch has no oneDNN, which the row-consistent bf16 forward needs"
-    return "bfloat16", "native bf16 math and oneDNN: bf16 speculation is byte-identical to bf16 plain decoding"
+    why = "native bf16 math and oneDNN: bf16 speculation is byte-identical to bf16 plain decoding"
+    return "bfloat16", why + ("; a GGUF model the gguf kernel reads: float32 (quant auto)" if GGUF_FIRST else "")
 
 
 def auto_kernels(native_state: str) -> dict:
@@ -72,11 +74,15 @@ def forced_isa() -> dict:
 
 def auto_quant(dtype: str) -> tuple[str, str]:
     """(quant, reason) that ``--quant auto`` takes for the default model (a Q4_1 GGUF) with
-    ``--dtype auto``, without building anything."""
-    if dtype != "float32":
-        return "none", f"{dtype} kernels (gguf products are fp32; the bf16 ones were faster on the AMX Xeon)"
+    ``--dtype auto``, without building anything; ``dtype``: what ``--dtype auto`` takes for a model
+    that is not a GGUF (``auto_dtype``)."""
     if not native.enabled():
         return "none", "the native extension is off (CADENCE_NATIVE=0)"
+    if dtype != "float32":
+        if GGUF_FIRST:
+            return "gguf", ("a GGUF model runs in float32 on its own blocks (--dtype auto takes float32 for it: plain "
+                            f"decoding there measured 2.5-2.6x {dtype}'s); other models {dtype}, dense")
+        return "none", f"{dtype} kernels (gguf products are fp32)"
 
     if not AUTO:
         return "none", "dense fp32 (the gguf kernel measured slower at 1 row; --quant gguf forces it)"
