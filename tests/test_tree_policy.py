@@ -197,3 +197,22 @@ def test_shipped_profiles_give_every_task_one_tree_per_entropy_bin(name):
         trees = bin_trees(p, False, flat, 0.0, len(p.tables[0]), len(p.tables[0]), 0.05)
         assert len(trees) == len(p.tables)
         assert all(expected_tau(t.paths, table) > 1.5 for t, table in zip(trees, p.tables))
+
+
+def test_auto_scheduler_grows_dynamic_trees_only_on_a_flat_verify_curve():
+    """``--scheduler auto``: dynamic trees where 8 nodes verify in about one forward (bf16),
+    adaptive's small candidates where the curve is steep (a GGUF model's blocks)."""
+    from types import SimpleNamespace
+
+    from cadence.methods import MethodSpec, resolve_scheduler_name
+
+    calibrated = SimpleNamespace(policy=SimpleNamespace(calibrated=True))
+    flat = LatencyCurve([1, 8, 16], [0.020, 0.022, 0.025])  # bf16, Zen 4: T(8)/T(1) 1.1
+    steep = LatencyCurve([1, 8, 16], [0.0070, 0.0123, 0.0185])  # GGUF blocks, Zen 4: 1.76
+    spec = MethodSpec()
+    assert resolve_scheduler_name(spec, calibrated, flat) == "dynamic"
+    assert resolve_scheduler_name(spec, calibrated, steep) == "adaptive"
+    assert resolve_scheduler_name(spec, calibrated, None) == "dynamic"
+    assert resolve_scheduler_name(MethodSpec(scheduler="dynamic"), calibrated, steep) == "dynamic"
+    assert resolve_scheduler_name(MethodSpec(tree="chain"), calibrated, steep) == "static"
+    assert resolve_scheduler_name(spec, SimpleNamespace(policy=SimpleNamespace(calibrated=False)), steep) == "static"

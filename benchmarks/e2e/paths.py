@@ -1,16 +1,17 @@
 """Which backbone path decodes fastest on this machine: plain (and optionally speculative)
 decoding on two or more precision paths of the same model, interleaved in one run.
 
-A path is ``DTYPE[:QUANT]`` as ``cadence generate --dtype D --quant Q`` takes them, e.g.
-``auto`` (bf16 where the CPU computes bf16 natively) and ``float32:gguf`` (the GGUF file's own
-Q4/Q8 blocks with 8-bit activations). Every prompt runs on every (path, method) pair in an
+A path is ``DTYPE[:QUANT]`` as ``cadence generate --dtype D --quant Q`` takes them (QUANT left
+out: ``auto``, as on the command line), e.g. ``auto`` (the default path: a GGUF model's own Q4/Q8
+blocks with 8-bit activations), ``auto:none`` (bf16 where the CPU computes bf16 natively) and
+``float32:gguf``. Every prompt runs on every (path, method) pair in an
 order that alternates between prompts, after one warm-up generation each; speed is pooled
 tokens over pooled seconds. ``agree`` is the share of generations whose tokens equal the
 first path's plain decoding (paths round differently, so replies may part at near-ties);
 ``identical`` the share equal to the same path's plain decoding (speculation is lossless on
 every path, so this must be 100%).
 
-Usage:  python benchmarks/e2e/paths.py [--paths auto float32:gguf] [--methods vanilla eagle@eagle-taps]
+Usage:  python benchmarks/e2e/paths.py [--paths auto:none auto] [--methods vanilla eagle@eagle-taps]
             [--prompts benchmarks/prompts/categories.jsonl] [--limit 28] [--max-new-tokens 128] [--out FILE]
 """
 
@@ -30,9 +31,9 @@ from cadence.prompts import jsonl_items  # noqa: E402
 
 
 def parse_path(text: str) -> tuple[str, str]:
-    """'float32:gguf' -> ('float32', 'gguf'); 'auto' -> ('auto', 'none')."""
+    """'float32:gguf' -> ('float32', 'gguf'); 'auto' -> ('auto', 'auto'); 'auto:none' -> ('auto', 'none')."""
     dtype, _, quant = text.partition(":")
-    return dtype, quant or "none"
+    return dtype, quant or "auto"
 
 
 def spread(items: list, n: int) -> list:
@@ -46,7 +47,7 @@ def spread(items: list, n: int) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--paths", nargs="+", default=["auto", "float32:gguf"])
+    ap.add_argument("--paths", nargs="+", default=["auto:none", "auto"])
     ap.add_argument("--methods", nargs="+", default=["vanilla", "eagle@eagle-taps"])
     ap.add_argument("--prompts", default="benchmarks/prompts/categories.jsonl")
     ap.add_argument("--limit", type=int, default=28, help="prompts, spread over the file (0: all)")

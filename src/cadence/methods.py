@@ -73,7 +73,8 @@ class MethodSpec:
         "help": "heads with a draft vocabulary may also draft up to N of the request's own tokens "
                 "outside it, most recent first (names, numbers, loops; lossless); 0 = off"})
     scheduler: str = field(default="auto", metadata={
-        "help": "how much to speculate each step: auto (dynamic with --tree auto on calibrated heads, "
+        "help": "how much to speculate each step: auto (with --tree auto on calibrated heads: dynamic where this "
+                "machine verifies 8 nodes in at most 1.4 one-token forwards, adaptive where that costs more; "
                 "else static), or one of `cadence.schedulers.registry.names()`: static (--tree), "
                 "adaptive, adaptive-k, entmtp, dynamic (lossless); lossy, opt-in: clp-unverified, confidence"})
     options: dict = field(default_factory=dict, metadata={
@@ -265,10 +266,10 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
         raise CadenceError(f"--context-vocab must be >= 0, got {spec.context_vocab}")
     drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec), spec.context_vocab)
     policy = TreePolicy(spec.tree, heads, drafter, chains_only=getattr(backbone, "chains_only", False))
-    name = resolve_scheduler_name(spec, heads)
-    if (spec.tree == "auto" or name != "static") and heads.policy.calibrated:
+    if heads.policy.calibrated and (spec.tree == "auto" or spec.scheduler not in ("auto", "static")):
         policy.latency = latency or latency_curve(backbone, verbose=True)
         policy.draft_s = draft_seconds(drafter, backbone.hidden_size, backbone.device, backbone.dtype)
+    name = resolve_scheduler_name(spec, heads, policy.latency)
     policy.tree_for(SamplingParams())  # resolve now: a bad --tree fails before any request
     sched = registry.entry(name)
     engine = Engine(backbone, drafter, sched.build(scheduler_context(backbone, heads, drafter, policy, spec, name)))
@@ -306,13 +307,25 @@ def _ngram_engine(backbone, spec: MethodSpec) -> Engine:
     return engine
 
 
-def resolve_scheduler_name(spec: MethodSpec, heads) -> str:
+# ``--scheduler auto`` grows dynamic trees only where 8 verify nodes cost at most this many
+# one-token forwards (``latency.ratio(8)``). Where the curve is steeper, as on a GGUF model's
+# blocks (1.54-1.85), the dynamic trees' width and extra drafted levels cost more than they
+# gain and adaptive's small static candidates pay: Zen 4 EPYC, 28 held-out prompts, one
+# interleaved run (``benchmarks/e2e/paths.py``, 2026-12-06): hydra 0.97x -> 1.10x plain decoding,
+# eagle-taps 0.99x -> 1.10x; bf16 curves are flat (1.07-1.16) and keep ``dynamic``.
+DYNAMIC_MAX_RATIO8 = 1.4
+
+
+def resolve_scheduler_name(spec: MethodSpec, heads, latency: LatencyCurve | None = None) -> str:
     """``auto`` -> ``dynamic`` (adaptive's gate + EAGLE-2 dynamic trees at T = 0, adaptive's
-    trees at T > 0) for ``--tree auto`` on calibrated heads, else ``static``."""
+    trees at T > 0) for ``--tree auto`` on calibrated heads where this machine's verify curve
+    is flat (``DYNAMIC_MAX_RATIO8``; no curve: flat), ``adaptive`` where it is steep, else
+    ``static``. Example: T(8) / T(1) 1.07 -> dynamic; 1.69 -> adaptive."""
     if spec.scheduler != "auto":
         return spec.scheduler
-    calibrated = heads.policy.calibrated
-    return "dynamic" if spec.tree == "auto" and calibrated else "static"
+    if not (spec.tree == "auto" and heads.policy.calibrated):
+        return "static"
+    return "adaptive" if latency is not None and latency.ratio(8) > DYNAMIC_MAX_RATIO8 else "dynamic"
 
 
 def _copy_depth(heads, spec: MethodSpec) -> int:

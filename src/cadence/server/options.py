@@ -159,7 +159,7 @@ class Schedulers:
         if size.isdigit() and int(size) > AUTO_NODES:
             raise bad(f"tree {spec.tree!r}: at most auto-{AUTO_NODES}", "cadence.tree")
         try:
-            name = resolve_scheduler_name(spec, heads)
+            name = resolve_scheduler_name(spec, heads, base.latency)
             entry = registry.entry(name)
         except CadenceError as exc:
             raise bad(str(exc), "cadence.scheduler") from exc
