@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from tiny import save_tiny
 
 from cadence.backbone.load import load_backbone
@@ -93,6 +94,17 @@ def test_generate_streams_text(capsys, model_dir, loaded):
     assert rc == 0, err
     assert out.rstrip("\n") == expected_text(loaded, PROMPT, 12)
     assert "12 tokens" in err and "tau" in err
+    assert err.rstrip().endswith(", float32]")  # the path that ran (the tiny model is no GGUF)
+
+
+def test_the_summary_line_names_the_gguf_path():
+    from types import SimpleNamespace
+
+    from cadence.cli import path_label
+
+    gguf = SimpleNamespace(dtype=torch.float32, quant="gguf", quant_reason="", kernels="gguf-avx2", dtype_reason="")
+    assert path_label(gguf) == "float32 on gguf blocks"
+    assert path_label(SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"
 
 
 def test_sampling_flags_and_seed(capsys, model_dir):

@@ -121,8 +121,15 @@ def _stream(engine, ids, cfg):
     sys.stdout.write(req.take_text() + "\n")
     s = req.stats
     print(f"[{s.new_tokens} tokens, {s.steps} steps, tau {s.tau:.2f}, {s.wall_s:.2f} s, "
-          f"{s.tokens_per_s:.1f} tok/s, tree {s.summary()['tree']}]", file=sys.stderr)
+          f"{s.tokens_per_s:.1f} tok/s, tree {s.summary()['tree']}, {path_label(engine.backbone)}]", file=sys.stderr)
     return s
+
+
+def path_label(backbone) -> str:
+    """The backbone path in a few words, for the summary line. Example: "float32 on gguf blocks"."""
+    p = _precision(backbone)
+    quant = p.get("quant", "none")
+    return p["dtype"] + ("" if quant == "none" else " on gguf blocks" if quant == "gguf" else f", {quant} weights")
 
 
 def _compare(stats, plain, spec) -> None:
