@@ -10,6 +10,8 @@ give the same bits. Blocks are made here with numpy and ``gguf`` (no model downl
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -163,6 +165,31 @@ def test_rows_do_not_depend_on_the_other_rows_or_threads(qtype):
         assert torch.equal(ops.q_linear(x, p, pt, out, None), y)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_prefetch_distance_changes_no_bit(qtype):
+    """The weight stream is prefetched ``q_prefetch`` bytes ahead (timing only): any distance,
+    none, or one far past the end of the weights gives the stated arithmetic's bits."""
+    k, out = 576, 88
+    b = blocks(weights(out, k, 11), qtype)
+    p, pt = packed(b, qtype, k)
+    x = np.random.default_rng(5).standard_normal((9, k)).astype(np.float32)
+    want = reference(x, b, qtype, None)
+    was = ops.set_q_prefetch(0)
+    try:
+        assert ops.q_prefetch() == 0
+        for dist in (0, 64, 8192, 1 << 20):
+            ops.set_q_prefetch(dist)
+            for m in (1, 4, 9):
+                got = ops.q_linear(torch.from_numpy(x[:m]), p, pt, out, None).numpy()
+                assert np.array_equal(got.view(np.int32), want[:m].view(np.int32)), (dist, m)
+        assert ops.set_q_prefetch(-5) == 1 << 20 and ops.q_prefetch() == 0  # negative: off
+    finally:
+        ops.set_q_prefetch(was)
+    if "CADENCE_GGUF_PREFETCH" not in os.environ:
+        assert was == 8192  # the default
 
 
 @needs_kernel

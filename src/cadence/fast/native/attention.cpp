@@ -26,7 +26,7 @@
 // (tests/test_listed_attention.py).
 //
 // Work: a block of 16 ranks that every row of a work item shares (the context) is widened
-// to fp32 once and used by up to 4 query vectors at a time (``shared_scores``,
+// to fp32 once (fp32 keys are read where they lie) and used by up to 4 query vectors at a time (``shared_scores``,
 // ``shared_values``); a row's own ranks (its tree ancestors) are gathered per row. Items are
 // (batch, kv head, a share of the query vectors of that kv head), at least two per thread.
 //
@@ -49,6 +49,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace cadence {
@@ -100,10 +101,11 @@ struct Item {
       for (int c = 0; c < C; ++c) store(qf + i * D + 16 * c, load(qs[i] + 16 * c) * scale);
     v16 part[LANES], q[C], a[C];
     for (int64_t j0 = 0; j0 < shared; j0 += LANES) {  // scores over the shared blocks
-      widen(K + j0 * sk, sk, blk);
+      int64_t bs;
+      const float* kb = block(K + j0 * sk, sk, blk, bs);
       int64_t i = 0;
-      for (; i + QB <= m; i += QB) shared_scores<QB>(qf + i * D, blk, scores + i * width + j0, width);
-      for (; i < m; ++i) shared_scores<1>(qf + i * D, blk, scores + i * width + j0, width);
+      for (; i + QB <= m; i += QB) shared_scores<QB>(qf + i * D, kb, bs, scores + i * width + j0, width);
+      for (; i < m; ++i) shared_scores<1>(qf + i * D, kb, bs, scores + i * width + j0, width);
     }
     for (int64_t i = 0; i < m; ++i) {  // the rest, gathered (padding ranks read key 0, then get -inf)
       const int64_t c_i = lists->size(rows[i]);
@@ -121,10 +123,11 @@ struct Item {
     }
     for (int64_t i = 0; i < m * D; ++i) acc[i] = 0.0f;
     for (int64_t j0 = 0; j0 < shared; j0 += LANES) {  // values over the shared blocks, ranks in order
-      widen(V + j0 * sv, sv, blk);
+      int64_t bs;
+      const float* vb = block(V + j0 * sv, sv, blk, bs);
       int64_t i = 0;
-      for (; i + QB <= m; i += QB) shared_values<QB>(scores + i * width + j0, width, blk, acc + i * D);
-      for (; i < m; ++i) shared_values<1>(scores + i * width + j0, width, blk, acc + i * D);
+      for (; i + QB <= m; i += QB) shared_values<QB>(scores + i * width + j0, width, vb, bs, acc + i * D);
+      for (; i < m; ++i) shared_values<1>(scores + i * width + j0, width, vb, bs, acc + i * D);
     }
     for (int64_t i = 0; i < m; ++i) {  // the rest, gathered
       const int64_t c_i = lists->size(rows[i]);
@@ -143,10 +146,10 @@ struct Item {
     }
   }
 
-  // scores of Q query vectors (qf: (Q, D), scaled) against one widened block of 16 keys
-  // -> out[i * width + r]; each key chunk is loaded once for the Q vectors
+  // scores of Q query vectors (qf: (Q, D), scaled) against one block of 16 fp32 keys (row r
+  // at blk + r * bs) -> out[i * width + r]; each key chunk is loaded once for the Q vectors
   template <int Q>
-  static void shared_scores(const float* qf, const float* blk, float* out, int64_t width) {
+  static void shared_scores(const float* qf, const float* blk, int64_t bs, float* out, int64_t width) {
     v16 q[Q][C], part[Q][LANES];
     for (int i = 0; i < Q; ++i)
       for (int c = 0; c < C; ++c) q[i][c] = load(qf + i * D + 16 * c);
@@ -154,7 +157,7 @@ struct Item {
       v16 p[Q];
       for (int i = 0; i < Q; ++i) p[i] = v16{};
       for (int c = 0; c < C; ++c) {
-        const v16 kc = load(blk + r * D + 16 * c);
+        const v16 kc = load(blk + r * bs + 16 * c);
         for (int i = 0; i < Q; ++i) p[i] = fma(q[i][c], kc, p[i]);
       }
       for (int i = 0; i < Q; ++i) part[i][r] = p[i];
@@ -163,9 +166,10 @@ struct Item {
   }
 
   // acc (Q, D) += the 16 weights of each vector (p: (Q, width) from this block) times the
-  // block's widened values, in rank order; each value chunk is loaded once for the Q vectors
+  // block's fp32 values (row r at blk + r * bs), in rank order; each value chunk is loaded
+  // once for the Q vectors
   template <int Q>
-  static void shared_values(const float* p, int64_t width, const float* blk, float* acc) {
+  static void shared_values(const float* p, int64_t width, const float* blk, int64_t bs, float* acc) {
     v16 a[Q][C];
     for (int i = 0; i < Q; ++i)
       for (int c = 0; c < C; ++c) a[i][c] = load(acc + i * D + 16 * c);
@@ -173,12 +177,26 @@ struct Item {
       v16 w[Q];
       for (int i = 0; i < Q; ++i) w[i] = splat(p[i * width + r]);
       for (int c = 0; c < C; ++c) {
-        const v16 vc = load(blk + r * D + 16 * c);
+        const v16 vc = load(blk + r * bs + 16 * c);
         for (int i = 0; i < Q; ++i) a[i][c] = fma(w[i], vc, a[i][c]);
       }
     }
     for (int i = 0; i < Q; ++i)
       for (int c = 0; c < C; ++c) store(acc + i * D + 16 * c, a[i][c]);
+  }
+
+  // 16 rows of D at src (row stride ``stride``) as fp32 rows: fp32 ones where they lie (a copy
+  // would only double the traffic of keys that come from L2 or beyond), others widened into
+  // blk (16, D); the row stride of the result goes to ``bs``
+  static const float* block(const T* src, int64_t stride, float* blk, int64_t& bs) {
+    if constexpr (std::is_same_v<T, float>) {
+      bs = stride;
+      return src;
+    } else {
+      widen(src, stride, blk);
+      bs = D;
+      return blk;
+    }
   }
 
   // 16 rows of D (row stride ``stride``) widened to fp32 into blk (16, D)

@@ -42,6 +42,12 @@ at::Tensor q_unpack(const at::Tensor& w, int64_t packed, int64_t K);
 at::Tensor q_linear_packed(const at::Tensor& x2, const at::Tensor& w, int64_t packed, int64_t out, const float* bias,
                            at::Tensor y);
 
+// q_linear's software prefetch distance in bytes (``gemm_qi.cpp``; 0: off;
+// CADENCE_GGUF_PREFETCH, default 8192). Timing only: the bits never depend on it.
+int64_t q_prefetch();
+// benchmarks and tests: set it (negative: 0); returns the previous
+int64_t set_q_prefetch(int64_t bytes);
+
 // Whether ``q_linear`` runs calls of 2 rows or more on AMX int8 tiles (``gemm_qi.cpp``: a build
 // with AMX-INT8, Linux's permission, CADENCE_AMX not 0); the bits are those of the vector code.
 bool q_amx_on();
