@@ -312,7 +312,9 @@ def _ngram_engine(backbone, spec: MethodSpec) -> Engine:
 # blocks (1.54-1.85), the dynamic trees' width and extra drafted levels cost more than they
 # gain and adaptive's small static candidates pay: Zen 4 EPYC, 28 held-out prompts, one
 # interleaved run (``benchmarks/e2e/paths.py``, 2026-12-06): hydra 0.97x -> 1.10x plain decoding,
-# eagle-taps 0.99x -> 1.10x; bf16 curves are flat (1.07-1.16) and keep ``dynamic``.
+# eagle-taps 0.99x -> 1.10x; bf16 curves are flat (1.07-1.16) and keep ``dynamic``. With the
+# kernel's prefetched weight stream (2026-12-07) the blocks' curve is flat to 4 nodes (1.08-1.10)
+# but 1.5-1.65 at 8, and adaptive still won: hydra 1.23x vs 1.06x, eagle-taps 1.26x vs 1.16x.
 DYNAMIC_MAX_RATIO8 = 1.4
 
 
