@@ -382,7 +382,9 @@ def test_serve_build_passes_the_narrowing_flags(monkeypatch):
     from cadence.backbone.load import make_fast
     from cadence.server import command
 
-    monkeypatch.setattr(cadence.backbone.load, "load_backbone", lambda *a, **k: make_fast(tiny_backbone("llama"), "fast"))
+    tiny = lambda *a, **k: make_fast(tiny_backbone("llama"), "fast")  # noqa: E731
+    monkeypatch.setattr(cadence.backbone.load, "load_backbone", tiny)
+    monkeypatch.setattr(command, "load_backbone", tiny)  # command holds its own name for it
     args = build_parser().parse_args(["serve", "--heads", "random", "--batching", "batched", "--max-batch", "3",
                                       "--narrow-mode", "root", "--narrow-min-batch", "2", "--narrow-max-nodes", "5"])
     app, conf = command.build(args)
@@ -390,6 +392,7 @@ def test_serve_build_passes_the_narrowing_flags(monkeypatch):
     assert type(multi).__name__ == "BatchEngine" and multi.max_batch == conf.max_batch == 3
     assert (multi.narrow_cfg.mode, multi.narrow_cfg.min_batch, multi.narrow_cfg.max_nodes) == ("root", 2, 5)
     assert multi.prefill_chunk == conf.prefill_chunk == ServeConfig.prefill_chunk > 0  # chunked by default
+    assert app.state.backbone_path == "float32"  # the start-up line names the path (the tiny model: no GGUF)
     args = build_parser().parse_args(["serve", "--heads", "random", "--batching", "batched", "--prefill-chunk", "0"])
     assert command.build(args)[0].state.engine.prefill_chunk == 0
 
@@ -451,6 +454,7 @@ def test_real_server_streams_what_generate_prints(tmp_path):
         proc.terminate()  # SIGTERM: uvicorn shuts down, then re-raises the signal
         log = proc.communicate(timeout=60)[0]
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in log, log
+    assert f"serving {bb.name} (float32" in log, log  # the start-up line names the backbone path
 
 
 def _healthy(port: int) -> bool:

