@@ -26,19 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 import common  # noqa: E402
 from cadence.fast.native import module
 from cadence.system.machine import isa
-from verify_cost import binary_tree
+from verify_cost import tree_inputs
 
 
 @torch.inference_mode()
 def measure(bb, ops, distances: list[int], sizes: list[int], context: int, reps: int) -> tuple[dict, bool]:
-    ctx = torch.randint(100, 1000, (1, context), generator=torch.Generator().manual_seed(0))
-    cache = bb.new_cache()
-    bb.forward(ctx, cache, need_logits=False)
-    gen = torch.Generator().manual_seed(1)
-    inputs = {}
-    for n in sizes:
-        mask, depth = binary_tree(n)
-        inputs[n] = (torch.randint(100, 1000, (1, n), generator=gen), (depth + context)[None], mask)
+    cache, inputs = tree_inputs(bb, sizes, context)
     times = {(d, n): [] for d in distances for n in sizes}
     logits: dict = {}
     was = ops.q_prefetch()

@@ -24,20 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared module
 import common  # noqa: E402
 from cadence.fast.model import FastBackbone
-from verify_cost import binary_tree
+from verify_cost import tree_inputs
 
 
 @torch.inference_mode()
 def measure(bb, sizes: list[int], context: int, forwards: int) -> dict:
     layers = bb._native
-    ctx = torch.randint(100, 1000, (1, context), generator=torch.Generator().manual_seed(0))
-    cache = bb.new_cache()
-    bb.forward(ctx, cache, need_logits=False)
-    gen = torch.Generator().manual_seed(1)
-    inputs = {}
-    for n in sizes:
-        mask, depth = binary_tree(n)
-        inputs[n] = (torch.randint(100, 1000, (1, n), generator=gen), (depth + context)[None], mask)
+    cache, inputs = tree_inputs(bb, sizes, context)
     sums = {n: {} for n in sizes}
     wall = {n: 0.0 for n in sizes}
     for rep in range(forwards + 1):  # rep 0 warms up

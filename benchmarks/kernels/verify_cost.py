@@ -58,6 +58,22 @@ def binary_tree(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, torch.tensor(depth)
 
 
+@torch.inference_mode()
+def tree_inputs(bb, sizes, context: int) -> tuple:
+    """A cache holding a fixed random context of ``context`` tokens, and for each size n the
+    (tokens (1, n), positions (1, n), mask (n, n)) of a binary tree after it: what
+    ``phase_cost.py`` and ``gguf_prefetch.py`` time (``cache.compact(context, [])`` between forwards)."""
+    ctx = torch.randint(100, 1000, (1, context), generator=torch.Generator().manual_seed(0))
+    cache = bb.new_cache()
+    bb.forward(ctx, cache, need_logits=False)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {}
+    for n in sizes:
+        mask, depth = binary_tree(n)
+        inputs[n] = (torch.randint(100, 1000, (1, n), generator=gen), (depth + context)[None], mask)
+    return cache, inputs
+
+
 def chain(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, n) causal mask and depths 0..n-1 of a chain of n nodes."""
     return torch.ones(n, n, dtype=torch.bool).tril(), torch.arange(n)
