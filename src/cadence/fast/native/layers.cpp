@@ -251,8 +251,8 @@ class Layers {
     const bool gqa = H != KV;
     if (k_cache) {
       at::Tensor K = k_cache->select(0, i), V = v_cache->select(0, i);
-      K.narrow(2, past, n).copy_(k);
-      V.narrow(2, past, n).copy_(v);
+      store_rows(K, past, k);
+      store_rows(V, past, v);
       k = K.narrow(2, 0, keys);
       v = V.narrow(2, 0, keys);
     }
