@@ -107,3 +107,34 @@ def test_methods_draft_fp32_heads_in_q8_0_by_default():
     for p, r in zip(PROMPTS, ref):
         assert engine.generate(p, cfg).tokens == r
     assert {k.kind for k in engine.drafter.heads.layers[0].decode_kernels().values()} == {"gguf"}
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", [Method.HYDRA, Method.MEDUSA])
+def test_mlp_heads_draft_through_q8_0_blocks_and_keep_the_output(method):
+    """fp32 MLP heads (hydra's input projections, the ResBlocks of hydra and medusa) draft
+    through Q8_0 kernels by default (``draft_weights=auto``) and the output is still plain
+    decoding's; ``dense`` drafts through the modules again; with autograd (training) the
+    modules run, whatever the mark."""
+    from cadence.heads.base import _PACKED
+
+    bb = FastBackbone.from_backbone(tiny_backbone("llama", hidden=128))
+    cfg = GenerationConfig(max_new_tokens=16)
+    ref = [Engine(bb).generate(p, cfg).tokens for p in PROMPTS]
+    engine = make_engine(bb, MethodSpec(method=method, heads="random", tree="tree-8", scheduler="static"))
+    heads = engine.drafter.heads
+    for p, r in zip(PROMPTS, ref):
+        assert engine.generate(p, cfg).tokens == r
+    linears = [b.linear for b in heads.blocks] + (list(heads.proj) if method == Method.HYDRA else [])
+    assert {_PACKED[lin][1]["w"].kind for lin in linears} == {"gguf"}
+    block = heads.blocks[0]
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        drafted = block(x)
+        exact = x + torch.nn.functional.silu(block.linear(x))
+    assert not torch.equal(drafted, exact) and torch.allclose(drafted, exact, atol=0.05)
+    with torch.enable_grad():
+        assert torch.equal(block(x), exact)
+    heads.set_draft_format("dense")
+    with torch.no_grad():
+        assert torch.equal(block(x), exact)

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.fast import native
-from cadence.fast.kernels import Linear, draft_linear, linear_ints
-from cadence.heads.base import draft_format
+from cadence.fast.kernels import Linear, linear_ints
+from cadence.heads.base import draft_format, packed
 from cadence.heads.mtp import RMSNorm
 
 
@@ -78,36 +78,6 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = xf[..., :D // 2], xf[..., D // 2:]
     rot = torch.cat([-x2, x1], dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)
-
-
-_PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def packed(owner: nn.Module, groups: dict[str, list[nn.Linear]]) -> dict[str, Linear] | None:
-    """Drafting kernels for ``owner``'s bias-free linear layers: each group's weights fused
-    (rows stacked in the given order) into one ``fast.kernels.Linear`` in the device's
-    fastest layout (prepacked oneDNN on CPU: one weight read for all rows; ``F.linear`` in
-    bf16 at one row took 50 us for q/k/v against 30 us prepacked on the Zen 5 EPYC), or in
-    Q8_0 blocks where ``owner`` is marked so (``draft_format``). None
-    where that is plain ``F.linear`` anyway (CUDA). Rebuilt when any weight was replaced or
-    changed in place (training, loading: the tensors' ``_version``), so a stale copy is never
-    used. Only for inference (the packed copies carry no gradient).
-
-    Example: ``packed(block, {"qkv": [q_proj, k_proj, v_proj]})["qkv"](y)`` = ``cat([q_proj(y),
-    k_proj(y), v_proj(y)], -1)`` up to rounding."""
-    weights = [lin.weight for group in groups.values() for lin in group]
-    fmt = draft_format(owner)
-    key = (fmt,) + tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
-    hit = _PACKED.get(owner)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    with torch.no_grad():
-        kernels = {name: draft_linear(torch.cat([lin.weight.detach() for lin in group]), fmt)
-                   for name, group in groups.items()}
-    if any(k is None for k in kernels.values()):
-        kernels = None
-    _PACKED[owner] = (key, kernels)
-    return kernels
 
 
 class _Attention(nn.Module):

@@ -48,8 +48,8 @@ from torch import nn
 
 from cadence.errors import CadenceError
 from cadence.fast.kernels import draft_linear
-from cadence.heads.attn_block import KV, Block, packed, segment_causal, shape_from_config
-from cadence.heads.base import DraftHeads, HeadConfig, draft_format
+from cadence.heads.attn_block import KV, Block, segment_causal, shape_from_config
+from cadence.heads.base import DraftHeads, HeadConfig, draft_format, packed
 
 
 @dataclass

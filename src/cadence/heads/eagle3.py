@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from cadence.errors import CadenceError
-from cadence.heads.attn_block import Block, BlockShape, packed, segment_causal, shape_from_config
-from cadence.heads.base import DraftHeads, HeadConfig
+from cadence.heads.attn_block import Block, BlockShape, segment_causal, shape_from_config
+from cadence.heads.base import DraftHeads, HeadConfig, packed
 from cadence.heads.eagle import EagleHeads
 from cadence.heads.mtp import RMSNorm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cadence.heads.base import DraftHeads, HeadConfig, ResBlock
+from cadence.heads.base import DraftHeads, HeadConfig, ResBlock, drafting_linear
 
 
 class HydraHeads(DraftHeads):
@@ -29,7 +29,7 @@ class HydraHeads(DraftHeads):
     def step_features(self, k, state, token):
         # state: (B, d*k) = [h ; E(x_{t+1}) ; ... ; E(x_{t+k-1})]; token is x_{t+k}.
         new_state = torch.cat([state, self.embed(token)], dim=-1)
-        return self.blocks[k - 1](self.proj[k - 1](new_state)), new_state
+        return self.blocks[k - 1](drafting_linear(self.proj[k - 1], new_state)), new_state
 
     def train_features(self, hidden, ids):
         T = hidden.shape[1]
