@@ -16,6 +16,7 @@ from cadence.errors import CadenceError
 from cadence.fast import native
 from cadence.fast.kernels import Linear, draft_linear
 from cadence.fast.model import FastBackbone
+from cadence.heads.base import _PACKED
 from cadence.methods import Method, MethodSpec, make_engine
 
 gguf = pytest.importorskip("gguf")
@@ -110,14 +111,11 @@ def test_methods_draft_fp32_heads_in_q8_0_by_default():
 
 
 @needs_kernel
-@pytest.mark.parametrize("method", [Method.HYDRA, Method.MEDUSA])
+@pytest.mark.parametrize("method", [Method.HYDRA, Method.MEDUSA, Method.MTP])
 def test_mlp_heads_draft_through_q8_0_blocks_and_keep_the_output(method):
-    """fp32 MLP heads (hydra's input projections, the ResBlocks of hydra and medusa) draft
-    through Q8_0 kernels by default (``draft_weights=auto``) and the output is still plain
-    decoding's; ``dense`` drafts through the modules again; with autograd (training) the
-    modules run, whatever the mark."""
-    from cadence.heads.base import _PACKED
-
+    """fp32 MLP heads (hydra's input projections, the ResBlocks of hydra and medusa, mtp's blocks)
+    draft through Q8_0 kernels by default (``draft_weights=auto``) and the output is still plain
+    decoding's."""
     bb = FastBackbone.from_backbone(tiny_backbone("llama", hidden=128))
     cfg = GenerationConfig(max_new_tokens=16)
     ref = [Engine(bb).generate(p, cfg).tokens for p in PROMPTS]
@@ -125,8 +123,20 @@ def test_mlp_heads_draft_through_q8_0_blocks_and_keep_the_output(method):
     heads = engine.drafter.heads
     for p, r in zip(PROMPTS, ref):
         assert engine.generate(p, cfg).tokens == r
-    linears = [b.linear for b in heads.blocks] + (list(heads.proj) if method == Method.HYDRA else [])
+    if method == Method.MTP:
+        linears = [lin for m in heads.modules_ for lin in (m.proj, m.gate, m.up, m.down)]
+    else:
+        linears = [b.linear for b in heads.blocks] + (list(heads.proj) if method == Method.HYDRA else [])
     assert {_PACKED[lin][1]["w"].kind for lin in linears} == {"gguf"}
+
+
+@needs_kernel
+def test_a_resblock_drafts_in_q8_0_trains_exactly_and_follows_its_mark():
+    """Marked ``auto`` (fp32), a ResBlock without autograd is the Q8_0 product (close to, not
+    equal to, the module's); with autograd (training) it is the module's, whatever the mark;
+    marked ``dense`` it is the module's again."""
+    bb = FastBackbone.from_backbone(tiny_backbone("llama", hidden=128))
+    heads = make_engine(bb, MethodSpec(method=Method.HYDRA, heads="random")).drafter.heads
     block = heads.blocks[0]
     x = torch.randn(2, 128)
     with torch.no_grad():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cadence.heads.base import DraftHeads, HeadConfig
+from cadence.heads.base import DraftHeads, HeadConfig, drafting_linear
 
 
 class RMSNorm(nn.Module):
@@ -46,9 +46,9 @@ class MTPModule(nn.Module):
             self.proj.weight[:, :d] = torch.eye(d)
 
     def forward(self, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        x = self.proj(torch.cat([self.norm_g(g), self.norm_e(e)], dim=-1))
+        x = drafting_linear(self.proj, torch.cat([self.norm_g(g), self.norm_e(e)], dim=-1))
         y = self.norm_mlp(x)
-        return x + self.down(nn.functional.silu(self.gate(y)) * self.up(y))
+        return x + drafting_linear(self.down, nn.functional.silu(drafting_linear(self.gate, y)) * drafting_linear(self.up, y))
 
 
 class MTPHeads(DraftHeads):
