@@ -37,6 +37,7 @@ from cadence.heads.shipped import shipped_names
 from cadence.methods import Method, MethodSpec, make_engine
 from cadence.schedulers import registry
 from cadence.system.atomic import atomic_write_json
+from cadence.system.heap import settled
 from cadence.verify.rules import Rule
 
 ENGINE_METHODS = tuple(m.value for m in Method)
@@ -401,13 +402,14 @@ def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) 
 
     bar = tqdm(total=len(pending), disable=not progress or not pending, desc="bench", unit="gen", file=sys.stderr)
     try:
-        for task, item, rep, m in pending:
-            bar.set_postfix_str(f"{task} {m}", refresh=False)
-            ids = plan.encoded[(task, item.key)]
-            gen = engines[m].generate(ids, cfg.generation(generation_seed(item.key, rep)))
-            score = plan.tasks[task].score(item, gen.text)
-            _append(records_path, make_record(task, item, m, rep, len(ids), gen, eos, score))
-            bar.update(1)
+        with settled():  # the loaded models' objects out of the collector's way (system.heap)
+            for task, item, rep, m in pending:
+                bar.set_postfix_str(f"{task} {m}", refresh=False)
+                ids = plan.encoded[(task, item.key)]
+                gen = engines[m].generate(ids, cfg.generation(generation_seed(item.key, rep)))
+                score = plan.tasks[task].score(item, gen.text)
+                _append(records_path, make_record(task, item, m, rep, len(ids), gen, eos, score))
+                bar.update(1)
     except KeyboardInterrupt:
         bar.close()
         log(f"interrupted: reporting what was measured; rerun with --out {out} to resume")

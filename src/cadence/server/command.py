@@ -21,6 +21,7 @@ from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
 from cadence.methods import MethodSpec, add_method_flags, make_engine
 from cadence.server.config import Batching, NarrowFlags, ServeConfig
+from cadence.system.heap import settled
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -119,5 +120,6 @@ def run(args: argparse.Namespace) -> int:
     if not conf.api_key and conf.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"cadence: warning: listening on {conf.host} without --api-key: anyone who can reach the port "
               "can use this server", file=sys.stderr, flush=True)
-    make_server(app, conf.host, port, conf.shutdown_timeout, conf.log_level).run(sockets=[sock])
+    with settled():  # the loaded model's objects out of the collector's way (system.heap)
+        make_server(app, conf.host, port, conf.shutdown_timeout, conf.log_level).run(sockets=[sock])
     return 0
