@@ -448,3 +448,17 @@ def test_a_forward_folds_its_attention_masks_once_not_per_layer(monkeypatch):
             assert folds == 2 * len(bb._layers)
     for n in (1, 3):
         assert torch.equal(outs[True, n], outs[False, n])
+
+
+def test_chain_lists_are_the_key_lists_of_a_causal_mask():
+    """The chain shortcut gives exactly ``key_lists`` of the lower-triangular mask (dtype,
+    shape, padding included), and a caller writing to one result leaves the next intact."""
+    for n, starts in ((1, [0]), (1, [57]), (3, [100]), (5, [0, 9]), (8, [3, 3, 40])):
+        tril = torch.ones(n, n, dtype=torch.bool).tril_().expand(len(starts), n, n)
+        want = consistent.key_lists(tril, starts)
+        got = consistent.chain_lists(n, starts)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype == torch.int32 and torch.equal(g, w) and g.is_contiguous()
+        for t in got:
+            t.fill_(-1)
+        assert all(torch.equal(g, w) for g, w in zip(consistent.chain_lists(n, starts), want))

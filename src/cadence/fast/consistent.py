@@ -51,6 +51,7 @@ Does not know models or caches beyond the key/value buffers it is handed.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -209,6 +210,26 @@ def key_lists(trees: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, tor
     extra = torch.where(order < n, order, 0).to(torch.int32) + base
     prefix = base.view(b, 1).expand(b, n).contiguous()
     return prefix, extra.contiguous(), count
+
+
+def chain_lists(n: int, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``key_lists`` of a causal chain (new row j sees new entries 0..j: plain decoding, a
+    prompt chunk) without building its mask: the same tensors from a few calls (a one-token
+    forward's lists 38 -> 10 us on the Zen 4 EPYC, hot; about 0.1 ms of a 5-6 ms decode step in
+    place, where caches are cold). Example: n 2,
+    start 100 -> prefix [[100, 100]], extra [[[100, 100], [100, 101]]], count [[1, 2]]."""
+    rel, count = _chain_offsets(n)
+    b = len(starts)
+    base = torch.tensor(starts, dtype=torch.int32).view(b, 1, 1)
+    return base.view(b, 1).expand(b, n).contiguous(), rel + base, count.expand(b, n).clone()
+
+
+@lru_cache(maxsize=64)
+def _chain_offsets(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain of n rows relative to its start: extra (n, n) int32 (row j: 0..j, then 0s as
+    padding) and count (n,) int32 (j + 1). Shared: callers add to them, never write them."""
+    cols = torch.arange(n, dtype=torch.int32)
+    return torch.where(cols[None, :] <= cols[:, None], cols[None, :], 0), cols + 1
 
 
 def tree_paths(ancestors: list[list[int]]) -> list[tuple[list[int], list[int]]]:

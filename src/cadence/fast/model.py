@@ -452,8 +452,8 @@ class FastBackbone(RowsForward, Backbone):
             n = input_ids.shape[1]
         self._reserve(cache, b, n)
         _, cos, sin = self._positions(position_ids, b, n, past)
-        tree = torch.ones(n, n, dtype=torch.bool).tril_() if tree_mask is None else tree_mask.to("cpu", torch.bool)
-        lists = consistent.key_lists(tree.expand(b, n, n), [past] * b)
+        lists = consistent.chain_lists(n, [past] * b) if tree_mask is None else \
+            consistent.key_lists(tree_mask.to("cpu", torch.bool).expand(b, n, n), [past] * b)
         self._block_rows(True)
         tap_out = self._tap_buffer(input_ids, taps)
         if self._native:
