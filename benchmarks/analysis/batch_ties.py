@@ -2,9 +2,9 @@
 
 Every prompt runs once alone (``Engine.generate``, which is plain decoding's output: speculation
 is lossless on one row) and once queued on a ``BatchEngine`` of ``--batch`` rows built as
-``cadence serve`` builds it (default narrowing, prompts prefilled ``--prefill-chunk`` tokens a step). A batched forward is not bit-identical to a one-row forward
-(its rows attend through another kernel), so a greedy token may differ where the top two logits
-(nearly) tie. For every row that differs, the backbone's logits at the first differing position
+``cadence serve`` builds it (default narrowing, prompts prefilled ``--prefill-chunk`` tokens a
+step). A batched forward is not bit-identical to a one-row forward (its rows attend through
+another kernel), so a greedy token may differ where the top two logits (nearly) tie. For every row that differs, the backbone's logits at the first differing position
 are recomputed by one plain forward over prompt + the common prefix, and the script prints the
 top-2 logit gap there and how far the batched row's token is below the top one. A gap of a few
 fp32 rounding steps of the logits (about 1e-5 at these magnitudes; bf16 0.125) is a near-tie; a

@@ -82,7 +82,8 @@ def main() -> None:
     rows = []
     for m in engines:
         rate = {mode: tot[(mode, m)]["tokens"] / tot[(mode, m)]["seconds"] for mode in MODES}
-        rows.append({"method": m, "collector_tok_s": round(rate["collector"], 1), "frozen_tok_s": round(rate["frozen"], 1),
+        rows.append({"method": m, "collector_tok_s": round(rate["collector"], 1),
+                     "frozen_tok_s": round(rate["frozen"], 1),
                      "gain": round(rate["frozen"] / rate["collector"], 3),
                      "identical": f"{tot[('frozen', m)]['identical']}/{len(prompts)}"})
     info = common.machine()

@@ -40,7 +40,8 @@ _PACKED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictiona
 
 
 def packed(owner: nn.Module, groups: dict[str, list[nn.Linear]]) -> dict[str, Linear] | None:
-    """Drafting kernels for ``owner``'s bias-free linear layers: each group's weights fused
+    """Drafting kernels for ``owner``'s linear layers, weights only (a caller adds any bias:
+    ``drafting_linear``): each group's weights fused
     (rows stacked in the given order) into one ``fast.kernels.Linear`` in the device's
     fastest layout (prepacked oneDNN on CPU: one weight read for all rows; ``F.linear`` in
     bf16 at one row took 50 us for q/k/v against 30 us prepacked on the Zen 5 EPYC), or in
@@ -70,7 +71,7 @@ def drafting_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``lin(x)``, except while drafting (no autograd) where ``lin`` is marked ``q8_0`` (or
     ``auto`` with fp32 weights: ``resolve_draft_format``): then through its Q8_0 drafting
     kernel (``packed``), bias added after. An MLP head's weights (hydra's input projections,
-    the ResBlocks of medusa and hydra) are read from memory once per draft level after the
+    the ResBlocks of medusa and hydra, mtp's blocks) are read from memory once per draft level after the
     verify forward has evicted them, and Q8_0 holds about a quarter of fp32's bytes. Unmarked
     modules (training, evaluation) and bf16 ones keep ``lin``. Drafts only: output unchanged."""
     if torch.is_grad_enabled() or resolve_draft_format(lin.weight, draft_format(lin)) != "q8_0":

@@ -48,7 +48,8 @@ class MTPModule(nn.Module):
     def forward(self, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         x = drafting_linear(self.proj, torch.cat([self.norm_g(g), self.norm_e(e)], dim=-1))
         y = self.norm_mlp(x)
-        return x + drafting_linear(self.down, nn.functional.silu(drafting_linear(self.gate, y)) * drafting_linear(self.up, y))
+        act = nn.functional.silu(drafting_linear(self.gate, y)) * drafting_linear(self.up, y)
+        return x + drafting_linear(self.down, act)
 
 
 class MTPHeads(DraftHeads):
