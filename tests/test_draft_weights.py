@@ -1,7 +1,7 @@
 """Drafting weights in GGUF Q8_0 blocks (``MethodSpec.draft_weights``, ``--draft-weights q8_0``).
 
-The drafter's kernels (attention blocks' projections, eagle's ``fc``, the draft-vocabulary LM
-head) may hold their weights as Q8_0 blocks on the integer kernel; the heads keep their own
+The drafter's kernels (attention blocks' projections, eagle's ``fc``, the MLP heads' layers, the
+draft-vocabulary LM head) may hold their weights as Q8_0 blocks on the integer kernel; the heads keep their own
 dtype and verification is unchanged, so output must stay plain decoding's."""
 
 from __future__ import annotations
