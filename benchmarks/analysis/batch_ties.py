@@ -10,8 +10,14 @@ top-2 logit gap there and how far the batched row's token is below the top one. 
 fp32 rounding steps of the logits (about 1e-5 at these magnitudes; bf16 0.125) is a near-tie; a
 larger one would be a defect.
 
+With ``--serve-load FILE`` (a ``benchmarks/e2e/serve_load.py`` result) it checks that run's
+batched responses that differed from the same server's sequential ones instead, from their
+texts, each tokenized whole and compared token by token (a greedy reply re-tokenizes to its own
+tokens except where a split is ambiguous).
+
 Usage:  python benchmarks/analysis/batch_ties.py [--method hydra] [--batch 8] [--limit 56]
             [--max-new-tokens 128] [--prefill-chunk 256] [--dtype auto] [--out FILE]
+        python benchmarks/analysis/batch_ties.py --serve-load runs/serve-load.json [--server cadence]
 """
 
 from __future__ import annotations
@@ -62,6 +68,30 @@ def tie(bb, prompt: list[int], single: list[int], other: list[int]) -> dict:
     return out
 
 
+def text_tie(bb, prompt: str, single: str, other: str) -> dict:
+    """``tie`` for two replies known by their texts: each is tokenized whole (a greedy reply
+    re-tokenizes to its own tokens but where a split is ambiguous) and compared token by token."""
+    tok = bb.tokenizer
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in (single, other)]
+    out = tie(bb, bb.encode_prompt(prompt, chat=True), *ids)
+    for key in ("single_token", "batched_token"):
+        out[key] = tok.decode([out[key]]) if out[key] is not None else None
+    return out
+
+
+def serve_ties(bb, path: str, server: str) -> list[dict]:
+    """Every differing batched response of ``server`` in a serve_load result, traced."""
+    res = json.loads(Path(path).read_text())
+    srv = res["servers"][server]
+    out = []
+    for level in srv["levels"]:
+        for d in level.get("differing", []):
+            k = d["request"]
+            out.append({"clients": level["clients"], "request": k,
+                        **text_tie(bb, res["prompts"][k], srv["texts"][k], d["text"])})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -72,9 +102,17 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=56)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="as `cadence serve --prefill-chunk`")
+    ap.add_argument("--serve-load", default=None, help="trace a serve_load.py result's differing responses")
+    ap.add_argument("--server", default="cadence", help="which server of --serve-load")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bb = common.backbone(args.model, args.dtype, backend="fast", quant="auto")
+    if args.serve_load:
+        for d in serve_ties(bb, args.serve_load, args.server):
+            print(f"{d['clients']} clients, request {d['request']}: first difference at token {d['position']} "
+                  f"({d['single_token']!r} alone, {d['batched_token']!r} batched), top-2 logit gap {d['top2_gap']}, "
+                  f"batched token {d.get('batched_below_top')} below the top")
+        return
     engine = make_engine(bb, MethodSpec.parse(args.method))
     items = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][:args.limit]
     prompts = [bb.encode_prompt(it["prompt"], chat=True) for it in items]

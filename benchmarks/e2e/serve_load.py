@@ -257,6 +257,8 @@ def bench_server(name: str, args, prompts: list[str]) -> dict:
             else:
                 res, wall = run_level(url, model, prompts, c, args.max_tokens, args.timeout)
                 row = summarize(res, wall, c, args.max_tokens, seq)
+                row["differing"] = [{"request": i, "text": r["text"]} for i, (r, ref) in enumerate(zip(res, seq))
+                                    if r["text"] != ref["text"]]  # to trace against ``texts`` (the sequential ones)
             row = {"server": name, **row}
             row["vs_sequential"] = round(row["tok_s"] / out["sequential"]["tok_s"], 3) \
                 if row["tok_s"] and out["sequential"]["tok_s"] else None
