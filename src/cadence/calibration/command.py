@@ -70,7 +70,7 @@ class CalibrateConfig:
         "help": "dtype the heads draft in while measured (MethodSpec.heads_dtype; auto: the backbone's bfloat16, else float32)"})
     draft_weights: str = field(default="auto", metadata={
         "help": "how the drafting kernels hold the weights while measured (MethodSpec.draft_weights): auto, "
-                "dense or q8_0"})
+                "dense, q8_0, q4_1 or q4_0"})
     split: str = field(default="val", metadata={
         "help": "store split measured (val: held out from training; train: when no val shards exist yet)"})
     profiles: bool = field(default=True, metadata={

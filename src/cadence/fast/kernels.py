@@ -177,13 +177,23 @@ class Linear:
 
     @classmethod
     def q8_0(cls, weight: torch.Tensor) -> Linear:
-        """Kind ``gguf`` from a dense W (out, in): W rounded to GGUF Q8_0 blocks (32 weights
-        share an fp16 scale, ``gguf.quants.quantize``), about 1.06 bytes per weight. Needs in %
-        32 == 0. For drafting weights (``draft_linear``): output is verified, never trusted."""
+        """Kind ``gguf`` from a dense W (out, in): W rounded to GGUF Q8_0 blocks (``blocks``)."""
+        return cls.blocks(weight, "q8_0")
+
+    @classmethod
+    def blocks(cls, weight: torch.Tensor, fmt: str) -> Linear:
+        """Kind ``gguf`` from a dense W (out, in): W rounded to GGUF blocks of 32 weights
+        (``gguf.quants.quantize``): ``q8_0`` (int8 + an fp16 scale, 1.06 bytes per weight),
+        ``q4_1`` (4 bits + an fp16 scale and minimum, 0.56 bytes) or ``q4_0`` (4 bits + a scale,
+        0.5 bytes). Needs in % 32 == 0. For drafting weights (``draft_linear``): output is
+        verified, never trusted."""
+        qtype = BLOCK_DRAFTS[fmt]
         w = weight.detach().float().cpu().numpy()
-        blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-        return cls.from_blocks(torch.from_numpy(blocks).view(torch.uint8).reshape(w.shape[0], -1),
-                               int(gguf.GGMLQuantizationType.Q8_0), w.shape[1], None)
+        data = gguf.quants.quantize(w, qtype)
+        lin = cls.from_blocks(torch.from_numpy(data).view(torch.uint8).reshape(w.shape[0], -1),
+                              int(qtype), w.shape[1], None)
+        lin.block_format = fmt  # which of ``BLOCK_DRAFTS`` (``qtype`` may name the packed layout)
+        return lin
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "gguf":  # any row count: a row's bits do not depend on the others
@@ -245,42 +255,52 @@ class Linear:
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
-DRAFT_FORMATS = ("auto", "dense", "q8_0")  # how drafting kernels hold their weights (``draft_linear``)
+DRAFT_FORMATS = ("auto", "dense", "q8_0", "q4_1", "q4_0")  # how drafting kernels hold their weights (``draft_linear``)
+BLOCK_DRAFTS = {  # the formats held in GGUF blocks on the integer kernel (``Linear.blocks``)
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+}
 
 
 def q8_0_drafts_here(weight: torch.Tensor) -> bool:
-    """Whether ``q8_0`` drafting kernels run for W (out, in): a CPU tensor, the native
-    extension built, and in % 32 == 0 (whole Q8_0 blocks)."""
+    """Whether GGUF-block drafting kernels (``BLOCK_DRAFTS``: q8_0, q4_1, q4_0) run for W (out,
+    in): a CPU tensor, the native extension built, and in % 32 == 0 (whole blocks)."""
     return weight.device.type == "cpu" and weight.shape[1] % 32 == 0 and _native() is not None
 
 
 def resolve_draft_format(weight: torch.Tensor, fmt: str = "auto") -> str:
-    """``auto`` -> ``q8_0`` for fp32 drafting weights where it runs (``q8_0_drafts_here``), else
+    """``auto`` -> ``q4_1`` for fp32 drafting weights where it runs (``q8_0_drafts_here``), else
     ``dense``; other formats as given. Why by dtype (``benchmarks/kernels/draft_kernels.py``,
     AMX Xeon, 2026-12-06): against fp32 weights (oneDNN) Q8_0 was 2-10x faster at every row
     count from 1 to 32, hot and cold (the draft-vocabulary LM head cold: 0.45 against 1.34 ms at 1
     row, 0.80 against 2.07 at 32); against bf16 on AMX it wins only up to about 4 rows, and
-    sampled trees draft 8-16 rows per level (it ran slower sampled), so bf16 stays dense."""
+    sampled trees draft 8-16 rows per level (it ran slower sampled), so bf16 stays dense. Why
+    Q4_1 over Q8_0 (Zen 4 EPYC, GGUF path, 2026-12-07, ``docs/results``): drafting reads the
+    weights from memory after each verify forward evicted them, and half the bytes drafted
+    eagle-taps in 1.43 instead of 1.77 ms per step, hydra in 0.68 instead of 0.90, at the same
+    acceptance (tau 1.80 / 1.81, 1.64 / 1.65 on 28 held-out prompts)."""
     if fmt != "auto":
         return fmt
-    return "q8_0" if weight.dtype == torch.float32 and q8_0_drafts_here(weight) else "dense"
+    return "q4_1" if weight.dtype == torch.float32 and q8_0_drafts_here(weight) else "dense"
 
 
 def draft_linear(weight: torch.Tensor, fmt: str = "dense") -> Linear | None:
     """A drafting projection's kernel for W (out, in). ``fmt``: ``dense`` keeps W's dtype in
-    the device's fastest kind (None where that is plain ``F.linear``: CUDA); ``q8_0`` rounds W
-    to GGUF Q8_0 blocks on the integer kernel (``Linear.q8_0``: about half bf16's bytes and a
-    quarter of fp32's, the activations rounded to 8 bits per 32 as llama.cpp does) where it
-    runs (``q8_0_drafts_here``), else ``dense``; ``auto`` picks by dtype (``resolve_draft_format``:
-    ``q8_0`` for fp32 weights, ``dense`` for bf16). Drafting reads these weights once per tree
+    the device's fastest kind (None where that is plain ``F.linear``: CUDA); ``q8_0``, ``q4_1``
+    and ``q4_0`` round W to GGUF blocks on the integer kernel (``Linear.blocks``: Q8_0 about half
+    bf16's bytes and a quarter of fp32's, Q4_1 / Q4_0 half of that again; the activations
+    rounded to 8 bits per 32 as llama.cpp does) where it runs (``q8_0_drafts_here``), else
+    ``dense``; ``auto`` picks by dtype (``resolve_draft_format``: ``q4_1`` for fp32 weights,
+    ``dense`` for bf16). Drafting reads these weights once per tree
     level, bound by memory, so fewer bytes are faster (AMX Xeon, eagle-taps: 4.5 -> 4.2 ms of
     drafting per step on the bf16 backbone, 4.9 -> 2.5 ms with fp32 heads on the GGUF path).
     Drafts are verified, so no format changes the output."""
     if fmt not in DRAFT_FORMATS:
         raise ValueError(f"unknown draft weight format {fmt!r}; choose one of {DRAFT_FORMATS}")
     fmt = resolve_draft_format(weight, fmt)
-    if fmt == "q8_0" and q8_0_drafts_here(weight):
-        return Linear.q8_0(weight)
+    if fmt in BLOCK_DRAFTS and q8_0_drafts_here(weight):
+        return Linear.blocks(weight, fmt)
     kind = resolve_kind("auto", weight.device, weight.dtype)
     return Linear(weight, None, kind) if kind != "aten" else None
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from cadence.errors import CadenceError
-from cadence.fast.kernels import DRAFT_FORMATS, Linear, draft_linear, resolve_draft_format
+from cadence.fast.kernels import BLOCK_DRAFTS, DRAFT_FORMATS, Linear, draft_linear, resolve_draft_format
 from cadence.heads.tables import DraftPolicy
 
 
@@ -68,13 +68,13 @@ def packed(owner: nn.Module, groups: dict[str, list[nn.Linear]]) -> dict[str, Li
 
 
 def drafting_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``lin(x)``, except while drafting (no autograd) where ``lin`` is marked ``q8_0`` (or
-    ``auto`` with fp32 weights: ``resolve_draft_format``): then through its Q8_0 drafting
-    kernel (``packed``), bias added after. An MLP head's weights (hydra's input projections,
+    """``lin(x)``, except while drafting (no autograd) where ``lin`` is marked a block format
+    (``q8_0``, ``q4_1``, ``q4_0``, or ``auto`` with fp32 weights: ``q4_1``, ``resolve_draft_format``):
+    then through its drafting kernel in GGUF blocks (``packed``), bias added after. An MLP head's weights (hydra's input projections,
     the ResBlocks of medusa and hydra, mtp's blocks) are read from memory once per draft level after the
-    verify forward has evicted them, and Q8_0 holds about a quarter of fp32's bytes. Unmarked
+    verify forward has evicted them, and Q8_0 holds about a quarter of fp32's bytes, Q4_1 an eighth. Unmarked
     modules (training, evaluation) and bf16 ones keep ``lin``. Drafts only: output unchanged."""
-    if torch.is_grad_enabled() or resolve_draft_format(lin.weight, draft_format(lin)) != "q8_0":
+    if torch.is_grad_enabled() or resolve_draft_format(lin.weight, draft_format(lin)) not in BLOCK_DRAFTS:
         return lin(x)
     kern = packed(lin, {"w": [lin]})
     if kern is None:
@@ -167,9 +167,9 @@ class DraftHeads(nn.Module):
 
     def set_draft_format(self, fmt: str) -> "DraftHeads":
         """Hold the drafting kernels' weights as ``fmt`` (``fast.kernels.DRAFT_FORMATS``):
-        ``dense`` (the heads' dtype), ``q8_0`` (GGUF Q8_0 blocks on the integer kernel, about half
-        bf16's bytes and a quarter of fp32's to read per draft, on CPUs) or ``auto`` (``q8_0`` for
-        fp32 heads, ``dense`` for bf16; ``kernels.resolve_draft_format``; what ``MethodSpec``
+        ``dense`` (the heads' dtype), ``q8_0`` / ``q4_1`` / ``q4_0`` (GGUF blocks on the integer
+        kernel, on CPUs: Q8_0 about half bf16's bytes and a quarter of fp32's to read per draft, the
+        4-bit ones half of that) or ``auto`` (``q4_1`` for fp32 heads, ``dense`` for bf16; ``kernels.resolve_draft_format``; what ``MethodSpec``
         asks by default). Unmarked heads draft ``dense``. Marks every
         submodule, so the attention blocks' packed projections, eagle's ``fc`` and the
         draft-vocabulary LM head are rebuilt in it at their next drafting call. Drafts only: verification is unchanged,
