@@ -26,6 +26,11 @@ class DraftBlock {
 
  private:
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const;
+  bool fused_here(const at::Tensor& x, const at::Tensor& kbuf) const;
+  at::Tensor forward_fused(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kbuf,
+                           at::Tensor vbuf, int64_t at, const std::optional<at::Tensor>& mask) const;
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& kbuf, const at::Tensor& vbuf, int64_t n,
+                    const std::optional<at::Tensor>& mask) const;
   int64_t heads_, kv_, hd_;
   double eps_;
   std::optional<at::Tensor> ln1_;
