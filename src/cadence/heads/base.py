@@ -70,10 +70,11 @@ def packed(owner: nn.Module, groups: dict[str, list[nn.Linear]]) -> dict[str, Li
 def drafting_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``lin(x)``, except while drafting (no autograd) where ``lin`` is marked a block format
     (``q8_0``, ``q4_1``, ``q4_0``, or ``auto`` with fp32 weights: ``q4_1``, ``resolve_draft_format``):
-    then through its drafting kernel in GGUF blocks (``packed``), bias added after. An MLP head's weights (hydra's input projections,
-    the ResBlocks of medusa and hydra, mtp's blocks) are read from memory once per draft level after the
-    verify forward has evicted them, and Q8_0 holds about a quarter of fp32's bytes, Q4_1 an eighth. Unmarked
-    modules (training, evaluation) and bf16 ones keep ``lin``. Drafts only: output unchanged."""
+    then through its drafting kernel in GGUF blocks (``packed``), bias added after. An MLP head's
+    weights (hydra's input projections, the ResBlocks of medusa and hydra, mtp's blocks) are read
+    from memory once per draft level after the verify forward has evicted them, and Q8_0 holds
+    about a quarter of fp32's bytes, Q4_1 an eighth. Unmarked modules (training, evaluation) and
+    bf16 ones keep ``lin``. Drafts only: output unchanged."""
     if torch.is_grad_enabled() or resolve_draft_format(lin.weight, draft_format(lin)) not in BLOCK_DRAFTS:
         return lin(x)
     kern = packed(lin, {"w": [lin]})
@@ -169,11 +170,12 @@ class DraftHeads(nn.Module):
         """Hold the drafting kernels' weights as ``fmt`` (``fast.kernels.DRAFT_FORMATS``):
         ``dense`` (the heads' dtype), ``q8_0`` / ``q4_1`` / ``q4_0`` (GGUF blocks on the integer
         kernel, on CPUs: Q8_0 about half bf16's bytes and a quarter of fp32's to read per draft, the
-        4-bit ones half of that) or ``auto`` (``q4_1`` for fp32 heads, ``dense`` for bf16; ``kernels.resolve_draft_format``; what ``MethodSpec``
-        asks by default). Unmarked heads draft ``dense``. Marks every
-        submodule, so the attention blocks' packed projections, eagle's ``fc`` and the
-        draft-vocabulary LM head are rebuilt in it at their next drafting call. Drafts only: verification is unchanged,
-        so output is too; only which tokens are proposed may differ (rounding)."""
+        4-bit ones half of that) or ``auto`` (``q4_1`` for fp32 heads, ``dense`` for bf16;
+        ``kernels.resolve_draft_format``; what ``MethodSpec`` asks by default). Unmarked heads draft
+        ``dense``. Marks every submodule, so the attention blocks' packed projections, eagle's
+        ``fc`` and the draft-vocabulary LM head are rebuilt in it at their next drafting call.
+        Drafts only: verification is unchanged, so output is too; only which tokens are proposed
+        may differ (rounding)."""
         if fmt not in DRAFT_FORMATS:
             raise CadenceError(f"unknown draft weight format {fmt!r}; choose one of {', '.join(DRAFT_FORMATS)}")
         for m in self.modules():
