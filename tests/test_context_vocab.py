@@ -39,6 +39,37 @@ def test_trackers_follow_their_context_list_and_include_the_root():
     assert vocabs.extra_ids(a, 1) is None
 
 
+def test_ids_stay_the_same_tensor_until_an_outside_token_comes():
+    """The drafter keys its gathered LM-head rows on the ids tensor's identity: a context that
+    grew by tokens inside the vocabulary, or the same root again, must hand out the same tensor,
+    and a new outside token a new one (a stale tensor would score the wrong rows)."""
+    vocabs = ContextVocabs(torch.tensor([1, 2]), 10, limit=3)
+    ctx = [1, 5]
+    first = vocabs.extra_ids(ctx, 1)
+    ctx.extend([1, 2, 2])  # inside the vocabulary only
+    assert vocabs.extra_ids(ctx, 2) is first
+    with_root = vocabs.extra_ids(ctx, 9)
+    assert with_root.tolist() == [5, 9] and vocabs.extra_ids(ctx, 9) is with_root
+    assert vocabs.extra_ids(ctx, 8).tolist() == [5, 8]
+    ctx.append(6)
+    grown = vocabs.extra_ids(ctx, 1)
+    assert grown is not first and grown.tolist() == [5, 6]
+
+
+def test_drafter_rescores_the_context_tokens_when_they_change():
+    """The drafter's kept LM-head rows follow the ids: after an outside token enters the
+    context, its row is scored (a draft can propose it)."""
+    bb = tiny_backbone()
+    vocab = list(range(0, bb.vocab_size, 2))  # even ids only
+    d = HeadDrafter(_heads(bb, vocab), context_vocab=4)
+    ctx = [0, 2, 3]
+    ids, rows = d._extra_rows(d.context_vocab.extra_ids(ctx, 2))
+    assert ids.tolist() == [3] and torch.equal(rows, d.heads.lm_rows(torch.tensor([3])))
+    ctx.append(5)
+    ids, rows = d._extra_rows(d.context_vocab.extra_ids(ctx, 2))
+    assert ids.tolist() == [3, 5] and torch.equal(rows, d.heads.lm_rows(torch.tensor([3, 5])))
+
+
 def _heads(bb, vocab):
     return new_heads("hydra", bb, 3, random=True, seed=1).set_draft_vocab(torch.tensor(vocab))
 

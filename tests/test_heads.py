@@ -255,3 +255,16 @@ def test_draft_logits_kernel_matches_the_matmul(llama):
         plain = heads.draft_logits(feats)
     assert fast.shape == plain.shape == (3, len(heads.draft_vocab))
     torch.testing.assert_close(fast, plain.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_param_dtype_and_device_follow_conversions_and_replaced_parameters(llama):
+    """``_param_dtype`` / ``_device`` remember where the first parameter lives, not what it
+    was: ``.to()`` and a parameter replaced outright (``load_state_dict(assign=True)``) show."""
+    heads = new_heads("hydra", llama, num_heads=2)
+    assert heads._param_dtype() == torch.float32 and heads._device().type == "cpu"
+    heads.to(torch.bfloat16)
+    assert heads._param_dtype() == torch.bfloat16
+    state = {k: v.to(torch.float64) for k, v in heads.state_dict().items()}
+    heads.load_state_dict(state, assign=True)
+    assert heads._param_dtype() == torch.float64
+    assert heads.init_state(torch.zeros(1, llama.config.hidden_size)).dtype == torch.float64

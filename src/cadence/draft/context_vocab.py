@@ -36,6 +36,7 @@ class ContextVocab:
         self.seen = 0  # context tokens scanned
         self._recent: OrderedDict[int, None] = OrderedDict()
         self._ids: torch.Tensor | None = None  # cached result of ids(), None when stale
+        self.with_root = None  # (root, ids(), ids with the root added): ``ContextVocabs.extra_ids``'s last
 
     def update(self, context: list[int]) -> None:
         """Scan the tokens appended to ``context`` since the last call."""
@@ -43,14 +44,17 @@ class ContextVocab:
         if not new:
             return
         inside, recent = self.inside, self._recent
+        changed = False
         for t in new:
             if not inside[t]:
                 recent[t] = None
                 recent.move_to_end(t)
+                changed = True
         while len(recent) > self.limit:
             recent.popitem(last=False)
         self.seen = len(context)
-        self._ids = None
+        if changed:  # tokens inside the vocabulary leave ids() as it was (the same tensor: callers may key on it)
+            self._ids = None
 
     def __contains__(self, token: int) -> bool:
         return token in self._recent
@@ -90,6 +94,11 @@ class ContextVocabs:
         track.update(context)
         ids = track.ids()
         if not self.inside[root] and root not in track:
+            memo = track.with_root
+            if memo is not None and memo[0] == root and memo[1] is ids:
+                return memo[2]  # the same tensor for the same ids and root
             root_t = torch.tensor([root], dtype=torch.long, device=self.device)
-            ids = root_t if ids is None else torch.cat([ids[1:] if ids.numel() >= self.limit else ids, root_t])
+            out = root_t if ids is None else torch.cat([ids[1:] if ids.numel() >= self.limit else ids, root_t])
+            track.with_root = (root, ids, out)
+            return out
         return ids

@@ -218,11 +218,27 @@ class DraftHeads(nn.Module):
         head = self._shared[1]
         return head(x.to(head.weight.dtype)).float()
 
+    def _first_parameter(self) -> torch.Tensor:
+        """``next(self.parameters())``, found through the submodule and name that hold it (looked
+        up once; the parameter itself is read each call, so ``.to()`` or a replaced tensor is
+        seen): walking the module tree cost about 12 us a call, several calls per draft level."""
+        where = self.__dict__.get("_first_param_at")
+        if where is not None:
+            p = where[0]._parameters.get(where[1])
+            if p is not None:
+                return p
+        for mod in self.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    self.__dict__["_first_param_at"] = (mod, name)
+                    return p
+        raise StopIteration("heads without parameters")
+
     def _device(self) -> torch.device:
-        return next(self.parameters()).device
+        return self._first_parameter().device
 
     def _param_dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        return self._first_parameter().dtype
 
     def init_state(self, hidden: torch.Tensor) -> torch.Tensor:
         """State before depth 0 from the backbone hidden state (B, d)."""
