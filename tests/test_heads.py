@@ -268,3 +268,8 @@ def test_param_dtype_and_device_follow_conversions_and_replaced_parameters(llama
     heads.load_state_dict(state, assign=True)
     assert heads._param_dtype() == torch.float64
     assert heads.init_state(torch.zeros(1, llama.config.hidden_size)).dtype == torch.float64
+    old = heads.proj[0]  # the submodule holding the first parameter, replaced outright (float32)
+    heads.proj[0] = torch.nn.Linear(old.in_features, old.out_features)
+    assert heads._param_dtype() == next(heads.parameters()).dtype == torch.float32
+    heads.to(torch.float16)
+    assert heads._param_dtype() == torch.float16

@@ -219,18 +219,25 @@ class DraftHeads(nn.Module):
         return head(x.to(head.weight.dtype)).float()
 
     def _first_parameter(self) -> torch.Tensor:
-        """``next(self.parameters())``, found through the submodule and name that hold it (looked
-        up once; the parameter itself is read each call, so ``.to()`` or a replaced tensor is
-        seen): walking the module tree cost about 12 us a call, several calls per draft level."""
-        where = self.__dict__.get("_first_param_at")
-        if where is not None:
-            p = where[0]._parameters.get(where[1])
-            if p is not None:
-                return p
-        for mod in self.modules():
+        """``next(self.parameters())``, found through the names that lead to it (looked up once;
+        the submodules and the parameter are read again each call, so ``.to()``, a replaced
+        parameter or a replaced submodule is seen): walking the module tree cost about 12 us a
+        call, several calls per draft level."""
+        path = self.__dict__.get("_first_param_path")
+        if path is not None:
+            mod = self
+            for name in path[:-1]:
+                mod = mod._modules.get(name)
+                if mod is None:
+                    break
+            else:
+                p = mod._parameters.get(path[-1])
+                if p is not None:
+                    return p
+        for prefix, mod in self.named_modules():
             for name, p in mod._parameters.items():
                 if p is not None:
-                    self.__dict__["_first_param_at"] = (mod, name)
+                    self.__dict__["_first_param_path"] = (*prefix.split("."), name) if prefix else (name,)
                     return p
         raise StopIteration("heads without parameters")
 
