@@ -20,12 +20,14 @@ from cadence.costs.tree_choice import TreePolicy, draft_seconds
 from cadence.decode.engine import Engine
 from cadence.draft.context_copy import CopyConfig
 from cadence.draft.copy_drafter import CopyDrafter
+from cadence.draft.datastore import load_datastore
 from cadence.draft.head_drafter import HeadDrafter
 from cadence.errors import CadenceError
 from cadence.heads.io import decode_dtype, load_heads, new_heads
 from cadence.heads.shipped import heads_path, shipped_heads_dir
 from cadence.schedulers import registry
 from cadence.schedulers.base import SchedulerContext
+from cadence.schedulers.copy_chain import CopyChainScheduler
 from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import chain, compile_tree
 from cadence.verify.sampling import SamplingParams
@@ -59,6 +61,11 @@ class MethodSpec:
     num_heads: int = field(default=3, metadata={"help": "K for --heads random"})
     copy: bool = field(default=True, metadata={"help": "rank the context copy (token after the same n-gram earlier) first (T > 0: verified as a point-mass proposal, still lossless)"})
     copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
+    datastore: str = field(default="", metadata={
+        "help": "a self-distilled store directory (e.g. data/selfdistill/smollm2, written by `cadence distill`) "
+                "whose replies also supply copies where the request has none: the token that most often "
+                "followed the same 2-4 tokens there (REST-style; drafts only, the output is unchanged); "
+                "empty = off"})
     heads_dtype: str = field(default="auto", metadata={
         "help": "dtype the heads draft in: auto (bfloat16 on a bfloat16 backbone, else float32), float32, bfloat16; "
                 "drafts only: the output is the same either way"})
@@ -257,7 +264,7 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     if spec.method is Method.VANILLA:
         return Engine(backbone)
     if spec.method is Method.NGRAM:
-        return _ngram_engine(backbone, spec)
+        return _ngram_engine(backbone, spec, latency)
     heads = resolve_heads(backbone, spec)
     if spec.heads != "random" and spec.tree == "auto" and not heads.policy.calibrated:
         print(f"cadence: the {spec.method.value} heads '{spec.heads}' carry no acceptance table, so they draft "
@@ -265,7 +272,8 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
               "and trees sized for this machine follow", file=sys.stderr)
     if spec.context_vocab < 0:
         raise CadenceError(f"--context-vocab must be >= 0, got {spec.context_vocab}")
-    drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec), spec.context_vocab)
+    drafter = HeadDrafter(heads, CopyConfig() if spec.copy else None, _copy_depth(heads, spec), spec.context_vocab,
+                          datastore=_datastore(spec))
     policy = TreePolicy(spec.tree, heads, drafter, chains_only=getattr(backbone, "chains_only", False))
     if heads.policy.calibrated and (spec.tree == "auto" or spec.scheduler not in ("auto", "static")):
         policy.latency = latency or latency_curve(backbone, verbose=True)
@@ -285,10 +293,12 @@ def scheduler_context(backbone, heads, drafter, policy: TreePolicy, spec: Method
                             heads_source=spec.heads, method=spec.method.value)
 
 
-def _ngram_engine(backbone, spec: MethodSpec) -> Engine:
-    """The context copy alone (``copy_drafter.CopyDrafter``) on a static chain: ``--tree auto``
-    or ``chain`` = ``--copy-depth`` copies, ``chain-D`` = D. A step whose root has no copy
-    verifies the root alone (plain decoding), so nothing is paid where nothing repeats."""
+def _ngram_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None) -> Engine:
+    """The context copy alone (``copy_drafter.CopyDrafter``) on chains: ``--tree auto`` = per step
+    the depth (up to ``--copy-depth``) this request's copy acceptance and this machine's verify
+    curve pay (``schedulers.copy_chain``), ``chain`` = ``--copy-depth`` copies, ``chain-D`` = D. A
+    step whose root has no copy verifies the root alone (plain decoding), so nothing is paid where
+    nothing repeats."""
     if spec.scheduler not in ("auto", "static"):
         raise CadenceError(f"ngram drafts a static chain of copies; --scheduler {spec.scheduler} needs heads")
     if not spec.copy:
@@ -302,8 +312,13 @@ def _ngram_engine(backbone, spec: MethodSpec) -> Engine:
         raise CadenceError(f"ngram drafts chains: --tree auto | chain | chain-D, not {tree!r}")
     if depth < 1:
         raise CadenceError(f"--copy-depth must be at least 1 for ngram, got {depth}")
-    engine = Engine(backbone, CopyDrafter(CopyConfig(), depth),
-                    StaticScheduler(compile_tree(chain(depth), name=f"ngram-{depth}")))
+    drafter = CopyDrafter(CopyConfig(), depth, _datastore(spec))
+    if tree == "auto":
+        curve = latency or latency_curve(backbone, verbose=True)
+        engine = Engine(backbone, drafter, lambda sampling: CopyChainScheduler(curve, depth))
+        engine.tree_policy, engine.scheduler_name = None, "copy-chain"
+        return engine
+    engine = Engine(backbone, drafter, StaticScheduler(compile_tree(chain(depth), name=f"ngram-{depth}")))
     engine.tree_policy, engine.scheduler_name = None, "static"
     return engine
 
@@ -329,6 +344,15 @@ def resolve_scheduler_name(spec: MethodSpec, heads, latency: LatencyCurve | None
     if not (spec.tree == "auto" and heads.policy.calibrated):
         return "static"
     return "adaptive" if latency is not None and latency.ratio(8) > DYNAMIC_MAX_RATIO8 else "dynamic"
+
+
+def _datastore(spec: MethodSpec):
+    """The datastore ``--datastore`` names (built once per process), or None; refused without copies."""
+    if not spec.datastore:
+        return None
+    if not spec.copy:
+        raise CadenceError("--datastore supplies copies: it needs --copy (the method has /nocopy or --no-copy)")
+    return load_datastore(spec.datastore)
 
 
 def _copy_depth(heads, spec: MethodSpec) -> int:

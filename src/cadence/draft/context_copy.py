@@ -39,8 +39,9 @@ class NgramIndex:
     ``lookup([9, 5, 6])`` tries (9, 5, 6) (absent), then (5, 6) -> 8.
     """
 
-    def __init__(self, cfg: CopyConfig | None = None):
+    def __init__(self, cfg: CopyConfig | None = None, fallback=None):
         self.cfg = cfg or CopyConfig()
+        self.fallback = fallback  # asked when the request has no copy: a ``datastore.Datastore`` (or None)
         if not 1 <= self.cfg.min_n <= self.cfg.max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {self.cfg}")
         self._seq: list[int] = []
@@ -70,13 +71,19 @@ class NgramIndex:
         s.append(token)
 
     def lookup(self, tail: Sequence[int]) -> int | None:
-        """The copy candidate after ``tail`` (the last tokens of the current path), or None."""
+        """The copy candidate after ``tail`` (the last tokens of the current path): the request's
+        own, else the fallback's (``datastore``), else None. A tree asks with ``max_tail`` tokens."""
         for n in range(self.cfg.max_n, self.cfg.min_n - 1, -1):
             if len(tail) >= n:
                 tok = self._next.get(tuple(tail[-n:]))
                 if tok is not None:
                     return tok
-        return None
+        return self.fallback.lookup(tail) if self.fallback is not None else None
+
+    @property
+    def max_tail(self) -> int:
+        """Tokens of path a lookup reads: the longest n-gram of the request or the fallback."""
+        return max(self.cfg.max_n, self.fallback.cfg.max_n if self.fallback is not None else 0)
 
 
 def merge_candidates(copy: int | None, ranked: Sequence[int], width: int) -> list[int]:
@@ -96,4 +103,4 @@ def copy_after(root: int, context: Sequence[int], copies: NgramIndex | None) -> 
         return None
     seq = list(context) + [root]
     copies.sync(seq)
-    return copies.lookup(seq[-copies.cfg.max_n:])
+    return copies.lookup(seq[-copies.max_tail:])

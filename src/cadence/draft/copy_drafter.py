@@ -27,14 +27,15 @@ from cadence.trees.tree import CompiledTree
 class CopyDrafter:
     num_heads = 0  # no heads: every level is filled by copies
 
-    def __init__(self, copy: CopyConfig | None = None, depth: int = 8):
+    def __init__(self, copy: CopyConfig | None = None, depth: int = 8, datastore=None):
         if depth < 1:
             raise ValueError(f"copy depth must be at least 1, got {depth}")
         self.copy = copy or CopyConfig()
         self.copy_depth = depth
+        self.datastore = datastore  # ``datastore.Datastore`` asked where the request has no copy (None: off)
 
     def new_index(self) -> NgramIndex:
-        return NgramIndex(self.copy)
+        return NgramIndex(self.copy, self.datastore)
 
     def max_depth(self, sampling: SamplingParams) -> int:
         return self.copy_depth
@@ -60,7 +61,7 @@ class CopyDrafter:
             parent = tree.parents[node]
             tok = None
             if filled[parent] and tree.ranks[node] == 0:
-                tok = copies.lookup(path_tail(tree, tokens, parent, context, self.copy.max_n))
+                tok = copies.lookup(path_tail(tree, tokens, parent, context, copies.max_tail))
             filled[node] = tok is not None
             tokens[node] = tok if tok is not None else 0
         return drop_unfilled(tree, tokens, filled, None, hidden.device)

@@ -249,7 +249,7 @@ def _with_copies(children: list[_Cand], frontier: list[_Cand], by_id, context, c
     a copy too), else the copy is added with that value."""
     out = list(children)
     for c in frontier:
-        tail = _path_tokens(c, by_id, context, copies.cfg.max_n)
+        tail = _path_tokens(c, by_id, context, copies.max_tail)
         tok = copies.lookup(tail)
         if tok is None:
             continue

@@ -44,12 +44,14 @@ class HeadDrafter:
     the nodes that carry a candidate.
     """
 
-    def __init__(self, heads, copy: CopyConfig | None = None, copy_depth: int = 0, context_vocab: int = 0):
+    def __init__(self, heads, copy: CopyConfig | None = None, copy_depth: int = 0, context_vocab: int = 0,
+                 datastore=None):
         self.heads = heads
         self.num_heads = heads.K
         self.vocab_size = heads.cfg.vocab_size
         self.copy = copy
         self.copy_depth = max(copy_depth, heads.K)  # deepest level a copy may fill
+        self.datastore = datastore  # ``datastore.Datastore`` asked where the request has no copy (None: off)
         self._pinned = None  # (hidden, tokens) set by ``pin`` for the next draft call
         # up to ``context_vocab`` of the context's tokens outside the heads' draft vocabulary
         # are scored too (None: off, or heads that draft over the whole vocabulary)
@@ -73,7 +75,7 @@ class HeadDrafter:
         self._pinned = (hidden, list(tokens))
 
     def new_index(self) -> NgramIndex | None:
-        return NgramIndex(self.copy) if self.copy is not None else None
+        return NgramIndex(self.copy, self.datastore) if self.copy is not None else None
 
     @property
     def batches_shadows(self) -> bool:
@@ -176,7 +178,7 @@ class HeadDrafter:
             if not nodes:
                 continue
             widths = [tree.width(i) for i in nodes]
-            found = [copies.lookup(path_tail(tree, tokens, i, context, copies.cfg.max_n)) if copying else None
+            found = [copies.lookup(path_tail(tree, tokens, i, context, copies.max_tail)) if copying else None
                      for i in nodes]
             cands: list[list[int]] = [[] for _ in nodes]
             if depth < self.num_heads:

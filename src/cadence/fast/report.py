@@ -147,7 +147,8 @@ def format_report(info: dict) -> str:
             if info["forced_isa"]["needs"] else "")),
         f"native build  {nat['state']}" + (f" ({detail})" if detail else ""),
         f"cache         {info['cache']['root']}: models {disk_cache.human(sizes.get('models', 0))}, "
-        f"latency curves {disk_cache.human(sizes.get('latency', 0))}",
+        f"latency curves {disk_cache.human(sizes.get('latency', 0))}, "
+        f"datastores {disk_cache.human(sizes.get('datastore', 0))}",
         f"kernel cache  {info['cache']['kernels_root']}: {disk_cache.human(sizes.get('kernels', 0))}",
         "CADENCE_*     " + (" ".join(f"{k}={v}" for k, v in info["env"].items()) or "none set"),
     ]
@@ -196,8 +197,8 @@ def register(sub) -> None:
                         "exit status 1 if the build fails")
     p.set_defaults(func=run_env)
     c = sub.add_parser("cache", help="list or clear what cadence keeps on disk (converted models, kernels, "
-                                     "latency curves)")
+                                     "latency curves, datastore tables)")
     c.add_argument("--clear", nargs="?", const="all", choices=(*disk_cache.KINDS, "all"), default=None,
-                   help="remove cached entries: models, kernels, latency, or all (the default)")
+                   help="remove cached entries: models, kernels, latency, datastore, or all (the default)")
     c.add_argument("--json", action="store_true", help="list as JSON")
     c.set_defaults(func=run_cache)

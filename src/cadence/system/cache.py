@@ -7,6 +7,8 @@ Knows: the cache root (``$CADENCE_CACHE`` or ``~/.cache/cadence``) and its layou
   (path, size, mtime) seen, so a load hashes a file once, not every time;
 - ``latency/``: verify-latency curves per machine and build (``cadence.costs.latency``,
   ``cadence.batch.narrow``);
+- ``datastore/``: n-gram tables built from a self-distilled store (``cadence.draft.datastore``),
+  named by the store and a digest of its manifest;
 - the native kernels' build directories under torch's extension root
   (``cadence_layers_<digest>``, ``cadence.fast.native``);
 - temporary ``*.tmp<pid>`` entries of conversions still running, removed once their process
@@ -30,7 +32,7 @@ from torch.utils.cpp_extension import get_default_build_root
 from cadence.system.atomic import atomic_write_json
 from cadence.system.locks import holder
 
-KINDS = ("models", "kernels", "latency")  # what ``cadence cache --clear KIND`` selects
+KINDS = ("models", "kernels", "latency", "datastore")  # what ``cadence cache --clear KIND`` selects
 _TMP = re.compile(r"\.tmp(\d+)$")
 
 
@@ -45,6 +47,10 @@ def models_dir() -> Path:
 
 def latency_dir() -> Path:
     return root() / "latency"
+
+
+def datastore_dir() -> Path:
+    return root() / "datastore"
 
 
 def kernels_root() -> Path:
@@ -162,6 +168,9 @@ def entries(kinds: tuple[str, ...] = KINDS) -> list[Entry]:
     if "latency" in kinds:
         for f in _children(latency_dir()):
             out.append(Entry("latency", f, size_bytes(f)))
+    if "datastore" in kinds:
+        for f in _children(datastore_dir()):
+            out.append(Entry("datastore", f, size_bytes(f)))
     if "kernels" in kinds:  # torch's default root has a folder per python/accelerator; $TORCH_EXTENSIONS_DIR not
         tops = _children(kernels_root())
         for b in [*tops, *(c for d in tops if d.is_dir() for c in _children(d))]:
