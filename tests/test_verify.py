@@ -220,3 +220,56 @@ def test_speculative_copy_worked_example():
     for _ in range(6000):
         counts[first_token(speculative(tree, tokens, logits, ctx), tokens)] += 1
     assert_distribution(counts, p.double().numpy())
+
+
+def _speculative_with_one_hots(tree, tokens, logits, ctx):
+    """``speculative`` as it was written before point masses skipped the one-hot: the reference
+    the faster code must match draw for draw."""
+    from cadence.verify.rules import Verdict
+    from cadence.verify.sampling import sample, uniform
+
+    toks = tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        r = probs(logits[node], ctx.sampling)
+        accepted = None
+        for c in tree.children[node]:
+            x = toks[c]
+            point = ctx.q is None or c in ctx.fixed
+            q = torch.nn.functional.one_hot(tokens[c], r.shape[-1]).to(r.dtype) if point else ctx.q[node]
+            if uniform(ctx.generator) < min(1.0, float(r[x]) / max(float(q[x]), 1e-20)):
+                accepted = c
+                break
+            r = torch.clamp(r - q, min=0)
+            total = float(r.sum())
+            if total <= 1e-12:
+                r = probs(logits[node], ctx.sampling)
+                break
+            r = r / total
+        if accepted is None:
+            return Verdict(path, sample(r, ctx.generator))
+        node = accepted
+        path.append(node)
+
+
+def test_point_masses_are_rejected_without_a_vocabulary_sized_one_hot(monkeypatch):
+    """A rejected point mass (a context or datastore copy) leaves r without its token: the same
+    residual, bit for bit, as max(0, r - onehot(x)), without allocating a V-wide one-hot per copy."""
+    tree = compile_tree([(0,), (1,), (2,), (0, 0), (0, 1)])
+    rng = torch.Generator().manual_seed(5)
+    logits = torch.randn(tree.size, 50, generator=rng) * 2
+    tokens = torch.tensor([0, 3, 7, 3, 11, 12])
+    q = torch.softmax(torch.randn(tree.size, 50, generator=rng), -1)
+    for fixed, qs in ((frozenset({1, 4}), q), (frozenset(), None)):
+        for seed in range(200):
+            new = VerifyContext(SamplingParams(temperature=0.9, top_p=0.95), qs, torch.Generator().manual_seed(seed),
+                                fixed=fixed)
+            old = VerifyContext(SamplingParams(temperature=0.9, top_p=0.95), qs, torch.Generator().manual_seed(seed),
+                                fixed=fixed)
+            assert speculative(tree, tokens, logits, new) == _speculative_with_one_hots(tree, tokens, logits, old)
+
+    def no_one_hot(*a, **k):
+        raise AssertionError("a one-hot over the vocabulary was built for a point mass")
+    monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
+    ctx = VerifyContext(SamplingParams(temperature=0.9), None, torch.Generator().manual_seed(0))
+    speculative(tree, tokens, logits, ctx)

@@ -97,13 +97,16 @@ def speculative(tree: CompiledTree, tokens: torch.Tensor, logits: torch.Tensor, 
         for c in tree.children[node]:
             x = toks[c]
             point = ctx.q is None or c in ctx.fixed
-            q = torch.nn.functional.one_hot(tokens[c], r.shape[-1]).to(r.dtype) if point else ctx.q[node]
-            ratio = float(r[x]) / max(float(q[x]), 1e-20)
+            q = None if point else ctx.q[node]
+            ratio = float(r[x]) if point else float(r[x]) / max(float(q[x]), 1e-20)
             u = uniform(ctx.generator)
             if u < min(1.0, ratio):
                 accepted = c
                 break
-            r = torch.clamp(r - q, min=0)
+            if point:  # max(0, r - onehot(x)) without building the one-hot: r[x] <= 1 becomes 0
+                r[x] = 0.0
+            else:
+                r = torch.clamp(r - q, min=0)
             total = float(r.sum())
             if total <= 1e-12:  # p == q where it matters: any draw from q is fine, fall back to p
                 r = probs(logits[node], ctx.sampling)
