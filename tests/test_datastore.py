@@ -110,10 +110,12 @@ def test_store_replies_reads_train_replies_only(tmp_path):
         store_replies(store)
 
 
-def test_decoding_with_a_datastore_is_lossless_and_uses_it(tmp_path):
-    """The store holds the tiny model's own greedy reply to another prompt: its copies are accepted
-    on a prompt whose reply shares them, and every output equals plain decoding."""
+def test_decoding_with_a_datastore_is_lossless_and_uses_it(tmp_path, monkeypatch):
+    """The store holds the tiny model's own greedy reply to the same prompt: its copies run ahead
+    of the request's own, and every output equals plain decoding."""
     from tiny import tiny_backbone
+
+    monkeypatch.setenv("CADENCE_CACHE", str(tmp_path / "cache"))  # the built tables go there, not to ~/.cache
 
     bb = tiny_backbone("llama", vocab=16, tokenizer=False)
     cfg = GenerationConfig(max_new_tokens=48)
@@ -133,7 +135,7 @@ def test_decoding_with_a_datastore_is_lossless_and_uses_it(tmp_path):
     assert load_datastore(str(store)) is load_datastore(str(store))  # built once per process
 
 
-def test_a_datastore_without_copies_is_refused(tmp_path):
+def test_a_datastore_without_copies_is_refused(tmp_path, monkeypatch):
     from tiny import tiny_backbone
 
     bb = tiny_backbone("llama", vocab=16, tokenizer=False)
