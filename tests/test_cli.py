@@ -55,7 +55,20 @@ def test_generate_json_vanilla(capsys, model_dir, loaded):
     [rec] = json_lines(out)
     assert rec["prompt"] == PROMPT and rec["method"] == "vanilla" and rec["heads"] is None
     assert rec["tree"] == "root" and rec["new_tokens"] == 12 and rec["steps"] == 12 and rec["tau"] == 1.0
-    assert rec["text"] == expected_text(loaded, PROMPT, 12)
+    assert rec["text"] == expected_text(loaded, PROMPT, 12) and rec["datastore"] is None
+
+
+def test_generate_json_names_the_datastore(capsys, tmp_path, monkeypatch, model_dir, loaded):
+    from test_datastore import _store
+
+    monkeypatch.setenv("CADENCE_CACHE", str(tmp_path / "cache"))
+    store = _store(tmp_path / "store", [[1, 5, 6, 7, 8], [1, 5, 6, 7, 8]], [[1, 2]])
+    rc, out, err = run(capsys, "--model", model_dir, "--prompt", PROMPT, "--method", "ngram", "--datastore",
+                       str(store), "--max-new-tokens", 12, "--json")
+    assert rc == 0, err
+    [rec] = json_lines(out)
+    assert rec["datastore"] == {"store": str(store), "reply_tokens": 8, "ngrams": 3}  # (5 6) -> 7, (6 7) -> 8, (5 6 7) -> 8
+    assert rec["scheduler"] == "copy-chain" and rec["text"] == expected_text(loaded, PROMPT, 12)
 
 
 @pytest.mark.parametrize("method, tree", [("hydra", "tree-8"), ("medusa", "chain"), ("mtp", "tree-16")])

@@ -94,6 +94,7 @@ def _run_generate(args) -> int:
                 print(json.dumps({"prompt": prompt, "text": g.text, "method": spec.method.value,
                                   "heads": spec.heads if spec.method.value != "vanilla" else None,
                                   "scheduler": getattr(engine, "scheduler_name", None),
+                                  "datastore": _datastore_info(engine),
                                   "lossless": cfg.rule.lossless(cfg.sampling) and not engine.allow_unverified,
                                   **_precision(backbone), **g.stats.summary()}), flush=True)
                 stats = g.stats
@@ -102,6 +103,12 @@ def _run_generate(args) -> int:
             if vanilla is not None:
                 _compare(stats, vanilla.generate(ids, cfg), spec)
     return 0
+
+
+def _datastore_info(engine) -> dict | None:
+    """The drafter's datastore (``--datastore``) for ``--json``: where from, reply tokens, n-grams."""
+    ds = getattr(engine.drafter, "datastore", None)
+    return None if ds is None else {"store": ds.name, "reply_tokens": ds.tokens, "ngrams": len(ds)}
 
 
 def _stream(engine, ids, cfg):
