@@ -13,7 +13,9 @@ dictionary lookup per tree node and never changes the output (verification is ex
 T > 0 a copy has no draft distribution q, so it is verified as a point-mass proposal
 (accepted with the backbone's probability of its token; ``verify.speculative``).
 
-Knows: token ids already known in this request. Does not know heads, trees or models.
+Knows: token ids already known in this request, and an optional fallback asked where they hold
+no copy (``NgramIndex(fallback=...)``: the model's earlier replies, ``datastore``). Does not know
+heads, trees or models.
 """
 
 from __future__ import annotations
