@@ -241,6 +241,25 @@ def test_sampled_ngram_is_lossless(small):
     assert tau > 1.0  # some copies accepted (each with the backbone's probability of its token)
 
 
+def test_sampled_copy_first_is_lossless(small):
+    """Copies first at T > 0: steps whose root has a copy run the copy chain alone (point masses)
+    or the heads' tree (draws from q), per the request's own rates; still plain sampling."""
+    from cadence.costs.latency import LatencyCurve
+    from cadence.draft.context_copy import CopyConfig
+    from cadence.schedulers.copy_chain import CopyChainScheduler
+    from cadence.schedulers.copy_first import CopyFirst
+
+    bb = small["llama"]
+    prompt = de_bruijn_prompt()
+    curve = LatencyCurve([1, 2, 4, 8], [0.010, 0.011, 0.012, 0.016])
+    heads = new_heads("hydra", bb, 3, random=True, seed=6)
+    drafter = HeadDrafter(heads, CopyConfig(), copy_depth=4)
+    tree = compile_tree([(0,), (1,), (0, 0)], name="heads-tree")
+    eng = Engine(bb, drafter, lambda s: CopyFirst(StaticScheduler(tree), CopyChainScheduler(curve, 4), curve))
+    tau = check_lossless(eng, bb, GenerationConfig(temperature=0.9, top_p=0.9), n=700, prompt=prompt)
+    assert tau > 1.0
+
+
 @pytest.mark.parametrize("kind, copy", [("hydra", False), ("hydra", True), ("eagle", True), ("eagle3", True)])
 def test_dynamic_tree_sampling_is_lossless(small, kind, copy):
     """EAGLE-2 dynamic trees at T > 0: candidates are the drafter's top-k under the sampling

@@ -28,6 +28,7 @@ from cadence.heads.shipped import heads_path, shipped_heads_dir
 from cadence.schedulers import registry
 from cadence.schedulers.base import SchedulerContext
 from cadence.schedulers.copy_chain import CopyChainScheduler
+from cadence.schedulers.copy_first import CopyFirst
 from cadence.schedulers.static import StaticScheduler
 from cadence.trees.tree import chain, compile_tree
 from cadence.verify.sampling import SamplingParams
@@ -60,6 +61,10 @@ class MethodSpec:
     tree: str = field(default="auto", metadata={"help": "auto (the tree of highest expected tokens/s from the heads' calibrated acceptance and this machine's measured verify latency; may be the root alone), auto-N (N nodes grown from the calibrated acceptance), or a preset: root, chain, chain-D, tree-N"})
     num_heads: int = field(default=3, metadata={"help": "K for --heads random"})
     copy: bool = field(default=True, metadata={"help": "rank the context copy (token after the same n-gram earlier) first (T > 0: verified as a point-mass proposal, still lossless)"})
+    copy_first: bool = field(default=True, metadata={"help": (
+        "heads methods with calibrated heads and --tree auto: a step whose root has a copy may verify the copy "
+        "chain alone, no head call, where that has been giving this request more tokens per second "
+        "(schedulers.copy_first; lossless)")})
     copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
     datastore: str = field(default="", metadata={
         "help": "a self-distilled store directory (e.g. data/selfdistill/smollm2, written by `cadence distill`) "
@@ -281,10 +286,21 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     name = resolve_scheduler_name(spec, heads, policy.latency)
     policy.tree_for(SamplingParams())  # resolve now: a bad --tree fails before any request
     sched = registry.entry(name)
-    engine = Engine(backbone, drafter, sched.build(scheduler_context(backbone, heads, drafter, policy, spec, name)))
+    factory = sched.build(scheduler_context(backbone, heads, drafter, policy, spec, name))
+    if spec.copy and spec.copy_first and policy.latency is not None:
+        factory = _copy_first(factory, policy, drafter.copy_depth)
+    engine = Engine(backbone, drafter, factory)
     engine.allow_unverified = sched.lossy  # choosing a lossy scheduler is the opt-in
     engine.tree_policy, engine.scheduler_name = policy, name
     return engine
+
+
+def _copy_first(factory, policy: TreePolicy, depth: int):
+    """``factory``'s schedulers wrapped in ``CopyFirst`` (a stateless scheduler shared by every request
+    becomes a factory: each request keeps its own arms)."""
+    inner = factory if not hasattr(factory, "choose") else (lambda sampling: factory)
+    return lambda sampling: CopyFirst(inner(sampling), CopyChainScheduler(policy.latency, depth, name="copies"),
+                                      policy.latency, policy.draft_s)
 
 
 def scheduler_context(backbone, heads, drafter, policy: TreePolicy, spec: MethodSpec, name: str) -> SchedulerContext:

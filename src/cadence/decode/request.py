@@ -41,6 +41,8 @@ import torch
 from cadence.decode.detok import Detokenizer
 from cadence.decode.generation import GenerationConfig, Stats
 from cadence.draft.base import Draft
+from cadence.draft.context_copy import copy_after
+from cadence.draft.copy_drafter import draft_copies
 from cadence.errors import CadenceError
 from cadence.schedulers.base import Plan, StepInfo, StepState
 from cadence.trees.tree import compile_tree, CompiledTree, truncate
@@ -165,9 +167,12 @@ class Request:
             self.stats.steps += 1
             return self._commit([self.root], force_done=True)
         state = StepState(hidden=self.hidden, root_logits=self.root_logits, step=self.stats.steps,
-                          new_tokens=len(self.tokens), past=self.past, sampling=self.sampling)
+                          new_tokens=len(self.tokens), past=self.past, sampling=self.sampling,
+                          copy=(copy_after(self.root, self.context, self.copies)
+                                if getattr(self.scheduler, "wants_copy", False) else None))
         plan = self._plan(state, remaining)
-        d = self._draft(plan.tree, plan.dynamic, remaining)
+        d = (self._draft_copies(plan.tree) if plan.copies_only
+             else self._draft(plan.tree, plan.dynamic, remaining))
         shadow, later = self._shadow(plan)
         return PendingStep(state, plan, d.tree, d.tokens, d.q, t_step, shadow, later, copy_nodes=d.copy_nodes,
                            fixed=d.fixed)
@@ -293,6 +298,13 @@ class Request:
         extra = {"state": self.draft_state} if self.draft_state is not None else {}
         draft = drafter.draft(tree, self.root, self.hidden, self.context, self.sampling, self.generator,
                               self.copies, **extra)
+        return draft if draft.tree is not None else replace(draft, tree=tree)
+
+    def _draft_copies(self, tree) -> Draft:
+        """A copies-only plan (``Plan.copies_only``): ``tree`` filled by copies, no head call."""
+        if self.copies is None:
+            raise CadenceError("a copies-only plan needs a drafter with context copies")
+        draft = draft_copies(tree, self.root, self.context, self.copies, self.engine.backbone.device)
         return draft if draft.tree is not None else replace(draft, tree=tree)
 
     def _commit(self, committed: list[int], force_done: bool = False) -> list[int]:

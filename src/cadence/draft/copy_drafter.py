@@ -47,21 +47,26 @@ class CopyDrafter:
     @torch.inference_mode()
     def draft(self, tree: CompiledTree, root: int, hidden: torch.Tensor, context, sampling: SamplingParams,
               generator, copies: NgramIndex | None = None, state=None) -> Draft:
-        """Rank-0 children get the copy after their parent's path; every other node (and any
-        node without a copy) is dropped. Example: context ... 5 6 7 ... 5 6, root 7, chain of
-        3 -> nodes 1..3 carry what followed 6 7, 7 x, x y earlier, as far as copies exist."""
+        """The tree filled by copies alone (``draft_copies``)."""
         if tree.max_depth > self.max_depth(sampling):
             raise ValueError(f"tree depth {tree.max_depth} > {self.max_depth(sampling)} this drafter can fill")
-        tokens = [root] + [0] * (tree.size - 1)
-        filled = [True] * tree.size
-        if copies is None:
-            copies = self.new_index()
-        copies.sync(list(context) + [root])
-        for node in range(1, tree.size):  # parents come before children in node order
-            parent = tree.parents[node]
-            tok = None
-            if filled[parent] and tree.ranks[node] == 0:
-                tok = copies.lookup(path_tail(tree, tokens, parent, context, copies.max_tail))
-            filled[node] = tok is not None
-            tokens[node] = tok if tok is not None else 0
-        return drop_unfilled(tree, tokens, filled, None, hidden.device)
+        return draft_copies(tree, root, context, copies if copies is not None else self.new_index(), hidden.device)
+
+
+def draft_copies(tree: CompiledTree, root: int, context, copies: NgramIndex, device) -> Draft:
+    """``tree`` filled by copies alone: a rank-0 child gets the copy after its parent's path;
+    every other node (and any node without a copy) is dropped with its subtree. Also how a
+    head drafter runs a copies-only plan (``Plan.copies_only``): no head call. Example:
+    context ... 5 6 7 ... 5 6, root 7, chain of 3 -> nodes 1..3 carry what followed 6 7, 7 x,
+    x y earlier, as far as copies exist."""
+    tokens = [root] + [0] * (tree.size - 1)
+    filled = [True] * tree.size
+    copies.sync(list(context) + [root])
+    for node in range(1, tree.size):  # parents come before children in node order
+        parent = tree.parents[node]
+        tok = None
+        if filled[parent] and tree.ranks[node] == 0:
+            tok = copies.lookup(path_tail(tree, tokens, parent, context, copies.max_tail))
+        filled[node] = tok is not None
+        tokens[node] = tok if tok is not None else 0
+    return drop_unfilled(tree, tokens, filled, None, device)

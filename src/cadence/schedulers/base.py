@@ -35,6 +35,8 @@ class StepState:
     new_tokens: int  # tokens committed so far (prompt excluded)
     past: int  # tokens in the KV cache (prompt + committed, the root excluded)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # the request's sampling
+    copy: int | None = None  # the copy after the root (context or datastore), for schedulers with
+    #                          ``wants_copy`` set; None: no copy there, or not looked up
 
     @cached_property
     def entropy(self) -> float:
@@ -53,6 +55,8 @@ class Plan:
     #                       never committed; whether it would have been accepted comes back in StepInfo.shadows
     shadow_batch: int = 1  # head-drafted shadows wait until this many are pending, then run as one head
     #                        call (cheaper per shadow, verdicts later); context copies are judged at once
+    copies_only: bool = False  # fill ``tree`` from copies alone, no head call (``copy_drafter.draft_copies``;
+    #                            lossless: only which tokens are verified changes)
     dynamic: DynamicTree | None = None  # a ``draft.grow.DynamicTree``: at T = 0 the drafter grows the step's tree from its
     #                         own confidence (EAGLE-2) instead of filling ``tree`` (lossless: verification is unchanged)
 

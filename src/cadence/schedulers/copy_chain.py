@@ -46,13 +46,15 @@ def best_depth(a: float, latency: Callable[[int], float], max_depth: int) -> int
 class CopyChainScheduler:
     """A chain of copies as deep as this request's copy acceptance and the latency curve pay."""
 
-    def __init__(self, latency: Callable[[int], float], max_depth: int, prior: float = 2.0, decay: float = 0.95):
+    def __init__(self, latency: Callable[[int], float], max_depth: int, prior: float = 2.0, decay: float = 0.95,
+                 name: str = "ngram"):
         if max_depth < 1:
             raise ValueError(f"a copy chain needs max_depth >= 1, got {max_depth}")
         self.latency = latency  # seconds to verify n nodes on this machine
         self.max_depth = max_depth  # deepest chain (--copy-depth)
         self.decay = decay  # weight kept by the earlier observations at each step
         self.hits, self.trials = prior, 2 * prior  # decayed successes and trials of single copies
+        self.name = name  # trees are named name-D
         self._trees: dict[int, CompiledTree] = {}
 
     @property
@@ -63,7 +65,7 @@ class CopyChainScheduler:
     def choose(self, state: StepState) -> Plan:
         d = best_depth(self.rate, self.latency, self.max_depth)
         if d not in self._trees:
-            self._trees[d] = compile_tree(chain(d), name=f"ngram-{d}")
+            self._trees[d] = compile_tree(chain(d), name=f"{self.name}-{d}")
         return Plan(self._trees[d])
 
     def observe(self, info: StepInfo) -> None:
