@@ -120,3 +120,26 @@ def test_copies_only_plans_at_t_above_zero_run_and_keep_to_the_budget():
     eng = Engine(bb, drafter, lambda sampling: scheduler())
     out = eng.generate([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], GenerationConfig(max_new_tokens=20, temperature=0.8, seed=3))
     assert len(out.tokens) == 20
+
+
+def test_step_kinds_splits_a_runs_steps_by_kind(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "analysis"))
+    import step_kinds
+
+    log = {"tree": ["copies-3~2", "auto-2+copy", "root", "ngram-2"], "nodes": [3, 3, 1, 3],
+           "accepted": [2, 1, 0, 0], "seconds": [0.006, 0.008, 0.005, 0.006]}
+    rows = [{"method": "hydra", "step_log": log}, {"method": "llama.cpp", "step_log": None}]
+    out = step_kinds.summarize(rows)
+    assert list(out) == ["hydra"]  # no step log: left out
+    assert out["hydra"]["copies"] == {"steps": 2, "tokens_per_step": 2.0, "ms_per_step": 6.0, "tokens_per_ms": 0.3333}
+    assert out["hydra"]["heads"]["tokens_per_step"] == 2.0 and out["hydra"]["root"]["steps"] == 1
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert step_kinds.main([str(path)]) == 0
+    assert step_kinds.main([str(tmp_path / "missing.jsonl")]) == 2
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    assert step_kinds.main([str(tmp_path / "bad.jsonl")]) == 2
