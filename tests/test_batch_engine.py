@@ -458,3 +458,34 @@ def test_cut_ends_a_request_as_its_budget_would(fllama):
     assert got == ref.tokens[:len(got)] and ref.text.startswith(text + ev.text)
     assert be.running == 1 and be.cut(a) is None
     assert be.cut(b).finish_reason == "length" and not be.has_work()
+
+
+def test_copies_first_rows_equal_plain_greedy_and_a_cap_keeps_them_copies():
+    """Rows whose schedulers run copy chains alone (``schedulers.copy_first``) in one batch:
+    each row still equals plain decoding; a capped copies-only plan stays copies-only."""
+    from cadence.costs.latency import LatencyCurve
+    from cadence.schedulers.base import StepState
+    from cadence.schedulers.copy_chain import CopyChainScheduler
+    from cadence.schedulers.copy_first import CopyFirst
+
+    bb = fast("llama", vocab=16, tokenizer=False)  # a small vocabulary: random weights soon repeat themselves
+    curve = LatencyCurve([1, 2, 4, 8], [0.010, 0.011, 0.012, 0.016])
+    drafter = HeadDrafter(new_heads("hydra", bb, K, random=True, seed=3), CopyConfig(), copy_depth=6)
+    tree = StaticScheduler.from_preset("tree-8", K).plan.tree
+    factory = lambda sampling: CopyFirst(StaticScheduler(tree), CopyChainScheduler(curve, 6, name="copies"),  # noqa: E731
+                                         curve)
+    cfg = GenerationConfig(max_new_tokens=40)
+    ids = [[1, 2, 3, 4, 5, 6] * 2 + [1, 2, 3], [5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9], [3, 1, 4, 1, 5, 9, 2, 6],
+           [1, 2] * 8]
+    be = BatchEngine(bb, drafter, factory, max_batch=4, narrow=NarrowConfig(mode="none"))
+    toks, _, last, order = run(be, {0: [(i, cfg, None) for i in ids]})
+    for k, rid in enumerate(order):
+        assert toks[rid] == plain(bb, ids[k], cfg).tokens, k
+    trees = [s.tree for r in order for s in last[r].stats.step_log]
+    assert any(t.startswith("copies-") for t in trees)
+    capped = CappedScheduler(factory(None))
+    capped.cap = 2
+    assert capped.wants_copy
+    capped.inner.runs[0] = capped.inner.runs[1] = 1  # both arms seen: copies lead (no rates yet: ties go to copies)
+    plan = capped.choose(StepState(hidden=None, root_logits=None, step=0, new_tokens=0, past=0, copy=5))
+    assert plan.copies_only and plan.tree.size <= 2
