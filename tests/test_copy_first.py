@@ -143,3 +143,21 @@ def test_step_kinds_splits_a_runs_steps_by_kind(tmp_path):
     assert step_kinds.main([str(tmp_path / "missing.jsonl")]) == 2
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     assert step_kinds.main([str(tmp_path / "bad.jsonl")]) == 2
+
+
+def test_a_servers_per_request_schedulers_get_copies_first_as_its_own_do(tmp_path):
+    """``cadence.scheduler`` / ``cadence.method`` per request build factories like ``make_engine``:
+    with copies first unless the request's method turns it off."""
+    from cadence.server.options import Schedulers
+    from cadence.verify.sampling import SamplingParams
+
+    bb = tiny_backbone("llama", vocab=16, tokenizer=False)
+    spec = MethodSpec(method=Method.HYDRA, heads=calibrated(tmp_path, bb))
+    engine = make_engine(bb, spec, latency=CURVE)
+    assert isinstance(engine.new_scheduler(SamplingParams()), CopyFirst)
+    from cadence.server.protocol import CadenceOptions
+
+    per_request = Schedulers(engine, spec)
+    on = per_request.factory(CadenceOptions(scheduler="adaptive"))
+    off = per_request.factory(CadenceOptions(method=f"hydra@{spec.heads},copy_first=0", scheduler="adaptive"))
+    assert isinstance(on(SamplingParams()), CopyFirst) and not isinstance(off(SamplingParams()), CopyFirst)

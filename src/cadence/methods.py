@@ -287,18 +287,21 @@ def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None)
     policy.tree_for(SamplingParams())  # resolve now: a bad --tree fails before any request
     sched = registry.entry(name)
     factory = sched.build(scheduler_context(backbone, heads, drafter, policy, spec, name))
-    if spec.copy and spec.copy_first and policy.latency is not None:
-        factory = _copy_first(factory, policy, drafter.copy_depth)
+    factory = with_copy_first(factory, spec, policy, drafter)
     engine = Engine(backbone, drafter, factory)
     engine.allow_unverified = sched.lossy  # choosing a lossy scheduler is the opt-in
     engine.tree_policy, engine.scheduler_name = policy, name
     return engine
 
 
-def _copy_first(factory, policy: TreePolicy, depth: int):
-    """``factory``'s schedulers wrapped in ``CopyFirst`` (a stateless scheduler shared by every request
-    becomes a factory: each request keeps its own arms)."""
+def with_copy_first(factory, spec: MethodSpec, policy: TreePolicy, drafter):
+    """``factory``'s schedulers wrapped in ``CopyFirst`` where ``spec`` asks for it (``copy_first``,
+    copies on) and the heads are calibrated (``policy.latency``), else ``factory`` as is. A stateless
+    scheduler shared by every request becomes a factory: each request keeps its own arms."""
+    if not (spec.copy and spec.copy_first and policy.latency is not None and getattr(drafter, "copy", None)):
+        return factory
     inner = factory if not hasattr(factory, "choose") else (lambda sampling: factory)
+    depth = drafter.copy_depth
     return lambda sampling: CopyFirst(inner(sampling), CopyChainScheduler(policy.latency, depth, name="copies"),
                                       policy.latency, policy.draft_s)
 

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from cadence.decode.engine import Engine
 from cadence.decode.generation import GenerationConfig
 from cadence.errors import CadenceError
-from cadence.methods import MethodSpec, resolve_scheduler_name, scheduler_context
+from cadence.methods import MethodSpec, resolve_scheduler_name, scheduler_context, with_copy_first
 from cadence.verify.sampling import SamplingParams
 from cadence.schedulers import registry
 from cadence.schedulers.base import SchedulerFactory
@@ -170,6 +170,7 @@ class Schedulers:
                             margin=base.margin, chains_only=getattr(engine.backbone, "chains_only", False))
         try:
             policy.tree_for(SamplingParams())  # a bad tree name fails here, not mid-request
-            return entry.build(scheduler_context(engine.backbone, heads, drafter, policy, spec, name))
+            factory = entry.build(scheduler_context(engine.backbone, heads, drafter, policy, spec, name))
+            return with_copy_first(factory, spec, policy, drafter)
         except CadenceError as exc:
             raise bad(str(exc), "cadence.tree" if "tree" in str(exc) else "cadence.scheduler") from exc
