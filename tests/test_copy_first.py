@@ -140,6 +140,12 @@ def test_step_kinds_splits_a_runs_steps_by_kind(tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert step_kinds.main([str(path)]) == 0
+    assert step_kinds.main([str(path), "--repeat", "0", "--json"]) == 0
+    timed = [{"method": "vanilla", "repeat": 0, "new_tokens": 10, "wall_s": 0.1},
+             {"method": "ngram", "repeat": 0, "new_tokens": 10, "wall_s": 0.05},
+             {"method": "ngram", "repeat": 1, "new_tokens": 10, "wall_s": 0.02}]
+    assert step_kinds.speeds(timed) == {"vanilla": 100.0, "ngram": round(20 / 0.07, 2)}
+    assert step_kinds.speeds([r for r in timed if r["repeat"] == 1]) == {"ngram": 500.0}
     assert step_kinds.main([str(tmp_path / "missing.jsonl")]) == 2
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     assert step_kinds.main([str(tmp_path / "bad.jsonl")]) == 2

@@ -235,6 +235,7 @@ BAD = [  # (path, raw body, status, param)
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"method": "vanilla"}}', 400, "cadence.method"),
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"method": "hydra,nodes=3"}}', 400, "cadence.method"),
     ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"method": "hydra,datastore=/etc"}}', 400, "cadence.method"),
+    ("c", '{"model": "tiny", "prompt": "hi", "cadence": {"method": "hydra,online_store=9"}}', 400, "cadence.method"),
     ("m", '{"model": "tiny", "messages": []}', 400, "messages"),
     ("m", '{"model": "tiny", "messages": "hi"}', 400, "messages"),
     ("m", '{"model": "tiny", "messages": [{"role": "user", "content": ""}]}', 400, "messages"),

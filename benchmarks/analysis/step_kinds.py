@@ -8,7 +8,11 @@ steps pay: e.g. whether a copies-only step (``schedulers.copy_first``; ``ngram``
 commits more tokens per millisecond than a heads step on this machine. A step is "root" when it
 verified one node, "copies" when its tree is named ``copies-*`` or ``ngram-*``, else "heads".
 
-Usage:  python benchmarks/analysis/step_kinds.py runs/bench/records.jsonl [--json]
+With ``--repeat R`` only the generations of repeat R count (a ``--repeats 2`` run: R = 1 is each
+prompt asked again, e.g. with an online store that learnt its first reply), and per method the
+whole generations' tokens per second and their ratio to ``vanilla``'s are printed too.
+
+Usage:  python benchmarks/analysis/step_kinds.py runs/bench/records.jsonl [--repeat R] [--json]
 """
 
 from __future__ import annotations
@@ -46,10 +50,21 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
             for m, kinds in acc.items()}
 
 
+def speeds(records: list[dict]) -> dict[str, float]:
+    """method -> new tokens per second over its whole generations (prefill included)."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for r in records:
+        if r.get("wall_s"):
+            acc[r["method"]][0] += r["new_tokens"]
+            acc[r["method"]][1] += r["wall_s"]
+    return {m: round(t / s, 2) for m, (t, s) in acc.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", help="a cadence bench run's records.jsonl")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--repeat", type=int, default=None, help="only the generations of this repeat (0-based)")
     args = ap.parse_args(argv)
     path = Path(args.records)
     if not path.is_file():
@@ -60,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     except json.JSONDecodeError as e:
         print(f"step_kinds: {path} is not a records.jsonl ({e})", file=sys.stderr)
         return 2
+    if args.repeat is not None:
+        records = [r for r in records if r.get("repeat", 0) == args.repeat]
     out = summarize(records)
+    rates = speeds(records)
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps({"steps": out, "tokens_per_s": rates}, indent=1))
         return 0
     print("| method | kind | steps | tokens / step | ms / step | tokens / ms |")
     print("|---|---|---:|---:|---:|---:|")
@@ -70,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in kinds.items():
             print(f"| {method} | {k} | {v['steps']} | {v['tokens_per_step']:.2f} | {v['ms_per_step']:.2f} | "
                   f"{v['tokens_per_ms']:.3f} |")
+    base = rates.get("vanilla")
+    print("\n| method | tok/s | vs vanilla |\n|---|---:|---:|")
+    for method, rate in rates.items():
+        print(f"| {method} | {rate:.1f} | {rate / base:.2f}x |" if base else f"| {method} | {rate:.1f} | |")
     return 0
 
 

@@ -29,6 +29,7 @@ from cadence.backbone.load import add_model_args, load_backbone, path_label
 from cadence.backbone.load import precision as _precision
 from cadence.cliargs import add_fields, from_args
 from cadence.decode.generation import GenerationConfig
+from cadence.decode.engine import not_learning
 from cadence.errors import CadenceError
 from cadence.methods import Method, MethodSpec, add_method_flags, make_engine
 from cadence.pipo.command import add_generate_flags as add_pipo_flags
@@ -88,13 +89,14 @@ def _run_generate(args) -> int:
             ids = backbone.encode_prompt(prompt, chat=chat)
             if vanilla is not None:  # warm-up, excluded from the comparison
                 for e in (engine, vanilla):
-                    e.generate(ids, GenerationConfig(max_new_tokens=min(8, cfg.max_new_tokens)))
+                    with not_learning(e):  # an online store must not learn the warm-up's reply
+                        e.generate(ids, GenerationConfig(max_new_tokens=min(8, cfg.max_new_tokens)))
             if args.json:
                 g = engine.generate(ids, cfg)
                 print(json.dumps({"prompt": prompt, "text": g.text, "method": spec.method.value,
                                   "heads": spec.heads if spec.method.value != "vanilla" else None,
                                   "scheduler": getattr(engine, "scheduler_name", None),
-                                  "datastore": _datastore_info(engine),
+                                  "datastore": _datastore_info(engine), "online_store": _online_info(engine),
                                   "lossless": cfg.rule.lossless(cfg.sampling) and not engine.allow_unverified,
                                   **_precision(backbone), **g.stats.summary()}), flush=True)
                 stats = g.stats
@@ -108,7 +110,14 @@ def _run_generate(args) -> int:
 def _datastore_info(engine) -> dict | None:
     """The drafter's datastore (``--datastore``) for ``--json``: where from, reply tokens, n-grams."""
     ds = getattr(engine.drafter, "datastore", None)
+    ds = ds.then if hasattr(ds, "add") else ds  # behind an online store (``--online-store``)
     return None if ds is None else {"store": ds.name, "reply_tokens": ds.tokens, "ngrams": len(ds)}
+
+
+def _online_info(engine) -> dict | None:
+    """The drafter's online store (``--online-store``) for ``--json``, or None."""
+    ds = getattr(engine.drafter, "datastore", None)
+    return ds.describe() if hasattr(ds, "add") else None
 
 
 def _stream(engine, ids, cfg):

@@ -21,6 +21,7 @@ from cadence.decode.engine import Engine
 from cadence.draft.context_copy import CopyConfig
 from cadence.draft.copy_drafter import CopyDrafter
 from cadence.draft.datastore import load_datastore
+from cadence.draft.online_store import OnlineStore
 from cadence.draft.head_drafter import HeadDrafter
 from cadence.errors import CadenceError
 from cadence.heads.io import decode_dtype, load_heads, new_heads
@@ -65,6 +66,10 @@ class MethodSpec:
         "heads methods with calibrated heads and --tree auto: a step whose root has a copy may verify the copy "
         "chain alone, no head call, where that has been giving this request more tokens per second "
         "(schedulers.copy_first; lossless)")})
+    online_store: int = field(default=0, metadata={"help": (
+        "keep the n-grams of this engine's finished replies as copy sources (a server learns from what it "
+        "serves; draft.online_store), at most this many, oldest dropped first; 0 = off. Lossless, but shared "
+        "by every request: latency may reveal that a phrase was generated before")})
     copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
     datastore: str = field(default="", metadata={
         "help": "a self-distilled store directory (e.g. data/selfdistill/smollm2, written by `cadence distill`) "
@@ -366,12 +371,17 @@ def resolve_scheduler_name(spec: MethodSpec, heads, latency: LatencyCurve | None
 
 
 def _datastore(spec: MethodSpec):
-    """The datastore ``--datastore`` names (built once per process), or None; refused without copies."""
-    if not spec.datastore:
+    """The datastore ``--datastore`` names (built once per process), behind a new ``OnlineStore`` with
+    ``--online-store`` (one per engine), or None; refused without copies."""
+    if spec.online_store < 0:
+        raise CadenceError(f"--online-store must be >= 0 (0 = off), got {spec.online_store}")
+    if not (spec.datastore or spec.online_store):
         return None
     if not spec.copy:
-        raise CadenceError("--datastore supplies copies: it needs --copy (the method has /nocopy or --no-copy)")
-    return load_datastore(spec.datastore)
+        what = "--datastore" if spec.datastore else "--online-store"
+        raise CadenceError(f"{what} supplies copies: it needs --copy (the method has /nocopy or --no-copy)")
+    store = load_datastore(spec.datastore) if spec.datastore else None
+    return OnlineStore(spec.online_store, then=store) if spec.online_store else store
 
 
 def _copy_depth(heads, spec: MethodSpec) -> int:

@@ -32,6 +32,7 @@ from cadence.bench import report
 from cadence.bench import tasks as T
 from cadence.bench.peers import PEERS, make_peer
 from cadence.decode.generation import GenerationConfig
+from cadence.decode.engine import not_learning
 from cadence.errors import CadenceError
 from cadence.heads.shipped import shipped_names
 from cadence.methods import Method, MethodSpec, make_engine
@@ -398,7 +399,8 @@ def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) 
         task, item, _, _ = pending[0]
         ids = plan.encoded[(task, item.key)]
         for m in dict.fromkeys(p[3] for p in pending):
-            engines[m].generate(ids, cfg.generation(0, min(16, cfg.max_new_tokens)))
+            with not_learning(engines[m]):  # an online store must not learn the warm-up's reply
+                engines[m].generate(ids, cfg.generation(0, min(16, cfg.max_new_tokens)))
 
     bar = tqdm(total=len(pending), disable=not progress or not pending, desc="bench", unit="gen", file=sys.stderr)
     try:

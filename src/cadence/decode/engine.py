@@ -6,10 +6,9 @@ Drafter), how much to speculate (a Scheduler) or how drafts are accepted (a rule
 drafter it is plain autoregressive decoding through the very same backbone path ("vanilla").
 """
 
-
 from __future__ import annotations
 
-
+from contextlib import contextmanager
 
 from cadence.decode.generation import Generation, GenerationConfig
 from cadence.decode.request import Request
@@ -64,3 +63,18 @@ class Engine:
     def decode(self, tokens: list[int]) -> str:
         tok = self.backbone.tokenizer
         return tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
+
+
+@contextmanager
+def not_learning(engine):
+    """Within: the engine's finished replies do not reach an online store (``drafter.learning``),
+    e.g. for untimed warm-ups."""
+    drafter = getattr(engine, "drafter", None)  # bench peers (transformers, llama.cpp) have none
+    before = getattr(drafter, "learning", None)
+    if before is not None:
+        drafter.learning = False
+    try:
+        yield engine
+    finally:
+        if before is not None:
+            drafter.learning = before

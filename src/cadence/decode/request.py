@@ -321,6 +321,8 @@ class Request:
         self.stats.new_tokens = len(self.tokens)
         self.stats.wall_s = time.perf_counter() - self._t0
         self.done = done
+        if done and hasattr(self.engine.drafter, "learn"):  # a shared online store learns the reply
+            self.engine.drafter.learn(self.tokens)
         return committed
 
     def _record(self, job: PendingStep, tree, accepted: int, seconds: float, shadows: tuple[bool, ...],

@@ -33,6 +33,13 @@ class CopyDrafter:
         self.copy = copy or CopyConfig()
         self.copy_depth = depth
         self.datastore = datastore  # ``datastore.Datastore`` asked where the request has no copy (None: off)
+        self.learning = True  # finished replies go to an online store (``learn``)
+
+    def learn(self, reply) -> None:
+        """A finished request's reply token ids: an online store (``online_store``) counts them,
+        unless ``learning`` is off (untimed warm-ups)."""
+        if self.learning and hasattr(self.datastore, "add"):
+            self.datastore.add(reply)
 
     def new_index(self) -> NgramIndex:
         return NgramIndex(self.copy, self.datastore)

@@ -52,6 +52,7 @@ class HeadDrafter:
         self.copy = copy
         self.copy_depth = max(copy_depth, heads.K)  # deepest level a copy may fill
         self.datastore = datastore  # ``datastore.Datastore`` asked where the request has no copy (None: off)
+        self.learning = True  # finished replies go to an online store (``learn``)
         self._pinned = None  # (hidden, tokens) set by ``pin`` for the next draft call
         # up to ``context_vocab`` of the context's tokens outside the heads' draft vocabulary
         # are scored too (None: off, or heads that draft over the whole vocabulary)
@@ -73,6 +74,12 @@ class HeadDrafter:
         the chain) instead of drafting, so the tokens committed are the ones judged. Any
         next call clears the pin."""
         self._pinned = (hidden, list(tokens))
+
+    def learn(self, reply) -> None:
+        """A finished request's reply token ids: an online store (``online_store``) counts them,
+        unless ``learning`` is off (untimed warm-ups)."""
+        if self.learning and hasattr(self.datastore, "add"):
+            self.datastore.add(reply)
 
     def new_index(self) -> NgramIndex | None:
         return NgramIndex(self.copy, self.datastore) if self.copy is not None else None

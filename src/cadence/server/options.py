@@ -138,8 +138,8 @@ class Schedulers:
                 spec = MethodSpec.parse(opts.method, self.spec)
             except CadenceError as exc:
                 raise bad(str(exc), "cadence.method") from exc
-            if (spec.method, spec.heads, spec.copy, spec.context_vocab, spec.datastore) != (
-                    self.spec.method, self.spec.heads, self.spec.copy, self.spec.context_vocab, self.spec.datastore):
+            drafter_of = lambda m: (m.method, m.heads, m.copy, m.context_vocab, m.datastore, m.online_store)  # noqa: E731
+            if drafter_of(spec) != drafter_of(self.spec):
                 raise bad(f"cadence.method {opts.method!r} changes the heads or the drafter; this server decodes "
                           f"{self.spec.format()} (a request may choose the tree, the scheduler and their options)",
                           "cadence.method")
