@@ -92,3 +92,22 @@ def test_settings_it_cannot_use_are_refused():
     with pytest.raises(CadenceError, match="needs --copy"):
         make_engine(bb, MethodSpec(method=Method.HYDRA, heads="random", copy=False, online_store=10))
     assert MethodSpec.parse("ngram,online_store=500").online_store == 500
+
+
+def test_a_server_learns_what_it_serves_and_shows_it_on_metrics():
+    """``cadence serve --online-store N``: each finished reply is counted, and /metrics shows the
+    store's n-grams and replies; a repeated greedy question gets the same answer."""
+    from server_support import serve
+
+    from cadence.batch.serial import SerialEngine
+
+    bb = tiny_backbone("llama", vocab=260)
+    spec = MethodSpec(method=Method.NGRAM, tree="chain", online_store=5000)
+    engine = make_engine(bb, spec)
+    with serve(engine, SerialEngine(engine, max_batch=2), spec=spec) as srv:
+        answers = [srv.client.completions.create(model="tiny", prompt="The sea", max_tokens=12, temperature=0)
+                   .choices[0].text for _ in range(2)]
+        m = srv.metrics()
+    assert answers[0] == answers[1]
+    assert m[("cadence:online_store_replies", ())] == 2
+    assert m[("cadence:online_store_ngrams", ())] == len(engine.drafter.datastore) > 0

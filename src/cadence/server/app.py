@@ -72,6 +72,9 @@ class AppSettings:
 
 def create_app(engine: Engine, multi: MultiEngine, settings: AppSettings) -> FastAPI:
     metrics = Metrics(settings.model_name)
+    store = getattr(engine.drafter, "datastore", None)
+    if hasattr(store, "add"):  # ``--online-store``: its size on /metrics
+        metrics.watch_online_store(store)
     worker = Worker(multi, metrics, settings.max_queue, request_timeout=settings.request_timeout,
                     stream_buffer=settings.stream_buffer, stall_timeout=settings.stall_timeout)
     service = Service(engine, worker, metrics, settings)

@@ -17,6 +17,8 @@ Names (counters get ``_total`` in the exposition):
 - ``cadence:spec_decode_num_accepted_tokens_total``: of those, accepted
 - ``cadence:spec_decode_num_accepted_tokens_per_pos_total{position}``: accepted at depth 0, 1, ...
   (position 0 = the first draft after the backbone's own token, as in vLLM)
+- ``cadence:online_store_ngrams``, ``cadence:online_store_replies``: with ``--online-store``, the
+  n-grams it keeps now and the replies it has learnt (read when scraped)
 """
 
 from __future__ import annotations
@@ -67,6 +69,14 @@ class Metrics:
         self.accepted_pos = Counter("cadence:spec_decode_num_accepted_tokens_per_pos",
                                     "draft tokens accepted at each depth (0 = first draft)",
                                     lab + ["position"], registry=r)
+
+    def watch_online_store(self, store) -> None:
+        """Expose an online store's size (``draft.online_store.OnlineStore``), read at each scrape."""
+        lab = ["model_name"]
+        for name, what, read in (("cadence:online_store_ngrams", "n-grams the online store keeps", lambda: len(store)),
+                                 ("cadence:online_store_replies", "replies the online store learnt",
+                                  lambda: store.replies)):
+            Gauge(name, what, lab, registry=self.registry).labels(model_name=self.model).set_function(read)
 
     def answer(self, path: str, status: int) -> None:
         if path not in ENDPOINTS:
