@@ -111,3 +111,19 @@ def test_a_server_learns_what_it_serves_and_shows_it_on_metrics():
     assert answers[0] == answers[1]
     assert m[("cadence:online_store_replies", ())] == 2
     assert m[("cadence:online_store_ngrams", ())] == len(engine.drafter.datastore) > 0
+
+
+def test_an_ngram_costs_the_few_hundred_bytes_the_docs_say():
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        s = OnlineStore(10 ** 6)
+        for _ in range(100):
+            s.add([rng.randrange(2000) for _ in range(128)])
+        per = tracemalloc.get_traced_memory()[0] / len(s)
+    finally:
+        tracemalloc.stop()
+    assert 150 < per < 600, per  # docs: about 380 bytes
