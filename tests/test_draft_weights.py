@@ -86,11 +86,13 @@ def test_the_method_grammar_carries_the_draft_weights():
 
 
 @needs_kernel
-def test_block_formats_apply_where_they_run_and_fall_back_to_dense_elsewhere():
+def test_block_formats_apply_where_they_run_and_fall_back_to_dense_elsewhere(monkeypatch):
     """Block formats need whole blocks (in % 32 == 0): other widths keep the dense kernel. ``auto``
     (``MethodSpec``'s default) is q4_1 for fp32 weights (fewer bytes to read per draft, the same
-    acceptance) and dense for bf16 ones (AMX beats the integer kernel past about 4 rows);
-    unmarked heads draft dense."""
+    acceptance), dense for bf16 ones on AMX (it beats the integer kernel past about 4 rows) and
+    q8_0 for bf16 ones elsewhere; unmarked heads draft dense."""
+    import cadence.fast.kernels as kernels
+
     w = torch.randn(64, 64)
     for fmt in ("q8_0", "q4_1", "q4_0"):
         assert draft_linear(w, fmt).block_format == fmt
@@ -99,7 +101,11 @@ def test_block_formats_apply_where_they_run_and_fall_back_to_dense_elsewhere():
     assert draft_linear(w).kind != "gguf"
     assert draft_linear(w, "auto").block_format == "q4_1"
     assert draft_linear(torch.randn(64, 48), "auto").kind != "gguf"
+    monkeypatch.setattr(kernels, "has_amx", lambda: True)
     assert draft_linear(w.to(torch.bfloat16), "auto").kind != "gguf"
+    monkeypatch.setattr(kernels, "has_amx", lambda: False)
+    assert draft_linear(w.to(torch.bfloat16), "auto").block_format == "q8_0"
+    assert draft_linear(torch.randn(64, 48).to(torch.bfloat16), "auto").kind != "gguf"
 
 
 @needs_kernel

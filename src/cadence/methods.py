@@ -84,7 +84,7 @@ class MethodSpec:
                 "blocks, int8 + an fp16 scale per 32 weights, on the integer kernel, CPUs: about half the bytes "
                 "of bf16 and a quarter of fp32 to read per draft; the attention heads' projections, the MLP "
                 "heads' layers and the draft-vocabulary LM head), q4_1 / q4_0 (4-bit GGUF blocks: half of "
-                "q8_0's bytes) or auto (q4_1 where the heads draft in float32, dense in bfloat16); "
+                "q8_0's bytes) or auto (q4_1 where the heads draft in float32; in bfloat16 q8_0 on CPUs without AMX, dense with it); "
                 "drafts only: the output is the same either way"})
     heads_seed: int = field(default=0, metadata={"help": "seed for --heads random"})
     context_vocab: int = field(default=256, metadata={

@@ -270,8 +270,8 @@ def q8_0_drafts_here(weight: torch.Tensor) -> bool:
 
 
 def resolve_draft_format(weight: torch.Tensor, fmt: str = "auto") -> str:
-    """``auto`` -> ``q4_1`` for fp32 drafting weights where it runs (``q8_0_drafts_here``), else
-    ``dense``; other formats as given. Why by dtype (``benchmarks/kernels/draft_kernels.py``,
+    """``auto`` -> ``q4_1`` for fp32 drafting weights where it runs (``q8_0_drafts_here``), ``q8_0``
+    for bf16 ones on a CPU without AMX, else ``dense``; other formats as given. Why by dtype (``benchmarks/kernels/draft_kernels.py``,
     AMX Xeon, 2026-12-06): against fp32 weights (oneDNN) Q8_0 was 2-10x faster at every row
     count from 1 to 32, hot and cold (the draft-vocabulary LM head cold: 0.45 against 1.34 ms at 1
     row, 0.80 against 2.07 at 32); against bf16 on AMX it wins only up to about 4 rows, and
@@ -279,10 +279,18 @@ def resolve_draft_format(weight: torch.Tensor, fmt: str = "auto") -> str:
     Q4_1 over Q8_0 (Zen 4 EPYC, GGUF path, 2026-12-07, ``docs/results``): drafting reads the
     weights from memory after each verify forward evicted them, and half the bytes drafted
     eagle-taps in 1.43 instead of 1.77 ms per step, hydra in 0.68 instead of 0.90, at the same
-    acceptance (tau 1.80 / 1.81, 1.64 / 1.65 on 28 held-out prompts)."""
+    acceptance (tau 1.80 / 1.81, 1.64 / 1.65 on 28 held-out prompts). Why Q8_0 for bf16 without
+    AMX (Zen 4 EPYC, bf16 backbone, 2026-12-07, tuning prompts, one interleaved run): bf16 through
+    AVX512-BF16 reads twice Q8_0's bytes at a few rows, and eagle-taps ran 1.71x -> 1.86x plain
+    decoding (tau 2.33 / 2.30; Q4_1 also 1.86x at tau 2.26), hydra 1.67x -> 1.74x; sampled
+    (T 0.7, top-p 0.9) 1.46x -> 1.49x, 1.44x -> 1.45x."""
     if fmt != "auto":
         return fmt
-    return "q4_1" if weight.dtype == torch.float32 and q8_0_drafts_here(weight) else "dense"
+    if not q8_0_drafts_here(weight):
+        return "dense"
+    if weight.dtype == torch.float32:
+        return "q4_1"
+    return "q8_0" if weight.dtype == torch.bfloat16 and not has_amx() else "dense"
 
 
 def draft_linear(weight: torch.Tensor, fmt: str = "dense") -> Linear | None:
@@ -292,7 +300,7 @@ def draft_linear(weight: torch.Tensor, fmt: str = "dense") -> Linear | None:
     bf16's bytes and a quarter of fp32's, Q4_1 / Q4_0 half of that again; the activations
     rounded to 8 bits per 32 as llama.cpp does) where it runs (``q8_0_drafts_here``), else
     ``dense``; ``auto`` picks by dtype (``resolve_draft_format``: ``q4_1`` for fp32 weights,
-    ``dense`` for bf16). Drafting reads these weights once per tree
+    ``q8_0`` for bf16 without AMX, ``dense`` for bf16 on AMX). Drafting reads these weights once per tree
     level, bound by memory, so fewer bytes are faster (AMX Xeon, eagle-taps: 4.5 -> 4.2 ms of
     drafting per step on the bf16 backbone, 4.9 -> 2.5 ms with fp32 heads on the GGUF path).
     Drafts are verified, so no format changes the output."""
