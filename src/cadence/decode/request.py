@@ -17,7 +17,9 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
   2. plan = scheduler.choose(state); its tree is cut to what the drafter can fill
      (copies reach deeper than the heads), to the tokens still allowed and
      to the model's positions; the drafter fills it from (h, root) (a dynamic plan: the
-     drafter grows the tree itself, ``draft.grow``; at T > 0 verified as point masses). A root-alone plan
+     drafter grows the tree itself, ``draft.grow``; at T > 0 verified as point masses; a
+     copies-only plan, ``Plan.copies_only``: copies fill it, no head call; a scheduler with
+     ``wants_copy`` sees the root's copy in ``StepState.copy``). A root-alone plan
      may ask for a shadow draft (T = 0): the depth-1 top candidate is drafted (one head
      call, no verify cost) and, once the root's forward gives the true next token,
      the scheduler learns whether it would have been accepted; it is never committed
@@ -28,6 +30,7 @@ next token (not yet in the cache), ``h`` the hidden state that produced it:
      cache to them, hand their hidden states to the drafter's per-request state (if it
      has one: attention heads), root <- bonus, h <- hidden state of the last accepted node;
      scheduler.observe(step info) (with the verdicts on a dynamic tree's context copies).
+A finished request hands its reply to ``drafter.learn`` (an online store, ``draft.online_store``).
 """
 
 from __future__ import annotations

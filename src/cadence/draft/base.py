@@ -36,6 +36,18 @@ class Draft:
     fixed: frozenset = frozenset()  # T > 0: nodes proposed as a point mass (context copies), not drawn from q
 
 
+class LearnsReplies:
+    """For drafters whose copies may come from a ``datastore`` attribute: ``learn`` hands a finished
+    request's reply to it when it is an online store (``online_store.OnlineStore``: it has ``add``),
+    unless ``learning`` is off (``decode.engine.not_learning``: untimed warm-ups)."""
+
+    learning = True  # finished replies go to an online store
+
+    def learn(self, reply) -> None:
+        if self.learning and hasattr(getattr(self, "datastore", None), "add"):
+            self.datastore.add(reply)
+
+
 class Drafter(Protocol):
     num_heads: int  # K: the deepest level the heads draft
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 
 from cadence.draft.context_copy import CopyConfig, NgramIndex, copy_after
-from cadence.draft.base import Draft, drop_unfilled, path_tail
+from cadence.draft.base import Draft, LearnsReplies, drop_unfilled, path_tail
 from cadence.verify.sampling import SamplingParams
 from cadence.trees.tree import CompiledTree
 
 
-class CopyDrafter:
+class CopyDrafter(LearnsReplies):
     num_heads = 0  # no heads: every level is filled by copies
 
     def __init__(self, copy: CopyConfig | None = None, depth: int = 8, datastore=None):
@@ -33,13 +33,6 @@ class CopyDrafter:
         self.copy = copy or CopyConfig()
         self.copy_depth = depth
         self.datastore = datastore  # ``datastore.Datastore`` asked where the request has no copy (None: off)
-        self.learning = True  # finished replies go to an online store (``learn``)
-
-    def learn(self, reply) -> None:
-        """A finished request's reply token ids: an online store (``online_store``) counts them,
-        unless ``learning`` is off (untimed warm-ups)."""
-        if self.learning and hasattr(self.datastore, "add"):
-            self.datastore.add(reply)
 
     def new_index(self) -> NgramIndex:
         return NgramIndex(self.copy, self.datastore)

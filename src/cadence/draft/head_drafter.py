@@ -28,13 +28,13 @@ from __future__ import annotations
 import torch
 
 from cadence.draft.context_copy import CopyConfig, NgramIndex, copy_after, merge_candidates
-from cadence.draft.base import Draft, DraftState, drop_unfilled, path_tail
+from cadence.draft.base import Draft, LearnsReplies, DraftState, drop_unfilled, path_tail
 from cadence.draft.context_vocab import ContextVocabs
 from cadence.draft.grow import DynamicTree, draft_dynamic
 from cadence.verify.sampling import SamplingParams, argmax, categorical, probs
 
 
-class HeadDrafter:
+class HeadDrafter(LearnsReplies):
     """Drafts with trained (or random) MTP heads, optionally with context copies.
 
     With ``copy`` set, each node's candidate list is the context copy (``context_copy``)
@@ -52,7 +52,6 @@ class HeadDrafter:
         self.copy = copy
         self.copy_depth = max(copy_depth, heads.K)  # deepest level a copy may fill
         self.datastore = datastore  # ``datastore.Datastore`` asked where the request has no copy (None: off)
-        self.learning = True  # finished replies go to an online store (``learn``)
         self._pinned = None  # (hidden, tokens) set by ``pin`` for the next draft call
         # up to ``context_vocab`` of the context's tokens outside the heads' draft vocabulary
         # are scored too (None: off, or heads that draft over the whole vocabulary)
@@ -74,12 +73,6 @@ class HeadDrafter:
         the chain) instead of drafting, so the tokens committed are the ones judged. Any
         next call clears the pin."""
         self._pinned = (hidden, list(tokens))
-
-    def learn(self, reply) -> None:
-        """A finished request's reply token ids: an online store (``online_store``) counts them,
-        unless ``learning`` is off (untimed warm-ups)."""
-        if self.learning and hasattr(self.datastore, "add"):
-            self.datastore.add(reply)
 
     def new_index(self) -> NgramIndex | None:
         return NgramIndex(self.copy, self.datastore) if self.copy is not None else None
