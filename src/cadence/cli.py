@@ -80,7 +80,7 @@ def _run_generate(args) -> int:
         return run_pipo(args, prompts)
     spec = MethodSpec.from_args(args)
     cfg = from_args(GenerationConfig, args)
-    backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant)
+    backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant, args.kv_dtype)
     engine = make_engine(backbone, spec)
     vanilla = make_engine(backbone, MethodSpec(method=Method.VANILLA)) if args.compare else None
     chat = args.chat if args.chat is not None else bool(getattr(backbone.tokenizer, "chat_template", None))

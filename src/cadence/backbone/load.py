@@ -26,7 +26,7 @@ from cadence.errors import CadenceError
 from cadence.fast.arch import unsupported_reason
 from cadence.fast.model import FastBackbone
 from cadence.fast.gguf import GGUF_FIRST
-from cadence.fast.quant import gguf_blocker, QUANTS
+from cadence.fast.quant import gguf_blocker, KV_DTYPES, QUANTS
 from cadence.system import cache as disk_cache
 from cadence.system import locks
 from cadence.system.cache import root as cache_root
@@ -187,7 +187,8 @@ BACKENDS = ("auto", "fast", "transformers")
 
 
 def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
-                  device: str | None = None, backend: str = "auto", quant: str = "none") -> Backbone:
+                  device: str | None = None, backend: str = "auto", quant: str = "none",
+                  kv_dtype: str = "auto") -> Backbone:
     """Load ``spec`` (``smollm2``, an HF directory, or a .gguf file) as a frozen Backbone.
 
     backend: ``transformers`` runs transformers' own forward; ``fast`` the compact decoder
@@ -195,9 +196,15 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
     fast one when the model is supported, else transformers. quant: ``none``, ``int8`` or ``int4``
     (weight-only, fast decoder on CPU only; lossy against the unquantized model), ``gguf``
     (fp32 on a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks: lossless relative to the file) or
-    ``auto`` (``gguf`` where it applies, else none; ``FastBackbone.quant_reason`` says why)."""
+    ``auto`` (``gguf`` where it applies, else none; ``FastBackbone.quant_reason`` says why).
+    kv_dtype: the fast decoder's KV cache (``fast.quant.resolve_kv_dtype``: ``auto`` is float16
+    on a GGUF's own blocks, else the model's dtype)."""
     if backend not in BACKENDS:
         raise CadenceError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if kv_dtype not in KV_DTYPES:
+        raise CadenceError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    if kv_dtype != "auto" and backend == "transformers":
+        raise CadenceError(f"--kv-dtype {kv_dtype} needs the fast backend (--backend fast or auto)")
     if quant not in ("none", "auto") and backend == "transformers":
         raise CadenceError(f"--quant {quant} needs the fast backend (--backend fast or auto)")
     dev = resolve_device(device)
@@ -224,18 +231,20 @@ def load_backbone(spec: str = DEFAULT_MODEL, dtype: str | None = None,
         tok = None
     backbone = Backbone(model.to(dev), tok, name=name)
     backbone.gguf_path = gguf_path
-    backbone = _with_backend(backbone, backend, quant)
+    backbone = _with_backend(backbone, backend, quant, kv_dtype)
     backbone.dtype_reason = why
     return backbone
 
 
-def _with_backend(backbone: Backbone, backend: str, quant: str = "none") -> Backbone:
+def _with_backend(backbone: Backbone, backend: str, quant: str = "none", kv_dtype: str = "auto") -> Backbone:
     """Swap in the fast decoder of ``cadence.fast`` where it applies: ``transformers`` keeps
     ``backbone``; ``fast`` wraps the same model in a ``FastBackbone`` (CadenceError when the
     architecture is unsupported); ``auto`` does so when supported, else keeps ``backbone``."""
-    if quant not in ("none", "auto"):
-        return make_fast(backbone, "fast", quant=quant)  # an unsupported model: a clear error
-    return make_fast(backbone, backend, **({"quant": "auto"} if quant == "auto" else {}))
+    kwargs = {"quant": quant} if quant != "none" else {}
+    if kv_dtype != "auto":
+        kwargs["kv_dtype"] = kv_dtype
+    forced = quant not in ("none", "auto") or kv_dtype != "auto"  # an unsupported model: a clear error
+    return make_fast(backbone, "fast" if forced else backend, **kwargs)
 
 
 def make_fast(backbone: Backbone, backend: str = "auto", **kwargs) -> Backbone:
@@ -262,6 +271,10 @@ def add_model_args(p: argparse.ArgumentParser, quant: str = "auto") -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "fast", "transformers"],
                    help="backbone forward: fast (compact decoder, Llama/Qwen families), transformers, "
                         "or auto (fast where supported)")
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
+                   help="the KV cache (fast backend): auto = float16 on a GGUF's own blocks (--quant gguf, as "
+                        "llama.cpp's default cache; half the bytes each step reads), else the model's dtype | "
+                        "float32 | float16 (float32 models on CPU) | bfloat16 (bf16 models)")
     p.add_argument("--quant", default=quant, choices=list(QUANTS),
                    help="auto: gguf where it applies, else none | gguf: a GGUF model's own "
                         "Q4_0 / Q4_1 / Q8_0 blocks (CPU, float32; the file's weights, activations rounded to 8 "

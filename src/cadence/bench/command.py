@@ -74,7 +74,7 @@ def config_from_args(args) -> BenchConfig:
         num_heads=args.num_heads, heads_seed=args.heads_seed, limit=args.limit,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         rule=str(args.rule.value if hasattr(args.rule, "value") else args.rule), repeats=args.repeats, out=args.out,
-        model=args.model, dtype=args.dtype, quant=args.quant, backend=args.backend,
+        model=args.model, dtype=args.dtype, quant=args.quant, kv_dtype=args.kv_dtype, backend=args.backend,
         device=args.device, custom=args.custom, subset_seed=args.subset_seed,
         humaneval_timeout=args.humaneval_timeout, warmup=args.warmup, plots=args.plots,
         settings=settings, seed=args.seed, decoding={k: list(v) if isinstance(v, tuple) else v for k, v in decoding.items()},

@@ -68,6 +68,7 @@ class BenchConfig:
     model: str = "smollm2"
     dtype: str = "auto"
     quant: str = "auto"  # auto | gguf | none | int8 | int4 (the backbone every method runs, vanilla included)
+    kv_dtype: str = "auto"  # the backbone's KV cache: auto | float32 | float16 | bfloat16
     device: str = "auto"
     custom: str | None = None  # JSONL file for the custom task
     subset_seed: int = 0
@@ -368,7 +369,7 @@ def run_bench(cfg: BenchConfig, backbone=None, progress: bool = True, log=None) 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     entries = validate(cfg)
     if backbone is None:
-        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, cfg.backend, cfg.quant)
+        backbone = load_backbone(cfg.model, cfg.dtype, cfg.device, cfg.backend, cfg.quant, cfg.kv_dtype)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     check_resume(out, cfg, backbone.name)

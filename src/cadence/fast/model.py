@@ -37,7 +37,7 @@ from cadence.fast import arch, consistent, gguf, native, rope
 from cadence.fast.cache import StaticKVCache
 from cadence.fast import kernels
 from cadence.fast.kernels import ROW_FREE, Linear, resolve_kind
-from cadence.fast.quant import resolve_quant
+from cadence.fast.quant import F16_MAX, resolve_kv_dtype, resolve_quant
 from cadence.fast.rows import RowsForward
 
 LISTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)  # head sizes ``listed_attention`` has kernels for
@@ -77,12 +77,14 @@ class FastBackbone(RowsForward, Backbone):
     """``Backbone`` with a lean forward; every other attribute is the transformers one."""
 
     def __init__(self, model, tokenizer=None, name: str = "model", kernel: str = "auto",
-                 pack_head: bool = True, quant: str = "none", gguf_path=None):
+                 pack_head: bool = True, quant: str = "none", gguf_path=None, kv_dtype: str = "auto"):
         super().__init__(model, tokenizer, name=name)
         self.gguf_path = gguf_path
         self.spec = arch.check(model.config)
         self.kernel = resolve_kind(kernel, self.device, self.dtype)
         self.quant, self.quant_reason = resolve_quant(quant, self.device, self.dtype, gguf_path)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.device, self.dtype, self.quant)  # the KV cache's dtype
+        self._kv_asked = kv_dtype  # checked against the attention path at the first cache (``_cache_dtype``)
         self.layer_kind = self.quant if self.quant != "none" else self.kernel  # the projections' kernel
         self.pack_head = pack_head and self.kernel in ("onednn", "amx")
         self._layers: list[_Layer] = []
@@ -232,7 +234,8 @@ class FastBackbone(RowsForward, Backbone):
         isa = f"-{self._ops.q_isa()}" if self._ops is not None else ""  # gguf: the vector code of its kernel
         layer = self.layer_kind + (isa if self.layer_kind == "gguf" else "")
         head = self._head.kind + (isa if self._head.kind == "gguf" else "")
-        return f"{layer}/{head}/{'cpp' if self._native else 'python'}{attention}"
+        kv = f"/kv-{str(self.kv_dtype).replace('torch.', '')}" if self.kv_dtype != self.dtype else ""
+        return f"{layer}/{head}/{'cpp' if self._native else 'python'}{attention}{kv}"
 
     @property
     def native_build(self) -> str:
@@ -265,8 +268,21 @@ class FastBackbone(RowsForward, Backbone):
     # -- the Backbone interface ----------------------------------------------------------
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> StaticKVCache:
         s = self.spec
-        return StaticKVCache(s.layers, s.kv_heads, s.head_dim, self.max_positions, self.dtype,
+        return StaticKVCache(s.layers, s.kv_heads, s.head_dim, self.max_positions, self._cache_dtype(),
                              self.device, batch=batch, capacity=capacity)
+
+    def _cache_dtype(self) -> torch.dtype:
+        """``kv_dtype``, once it is known that every forward reads the cache through
+        ``listed_attention`` or widens it (a float16 cache needs the listed path: the
+        per-path attention of ``consistent.PathAttention`` stores in the backbone's dtype)."""
+        if self.kv_dtype != self.dtype:
+            self._resolve_native()
+            if not self.listed:
+                if self._kv_asked != "auto":
+                    raise CadenceError(f"--kv-dtype {self._kv_asked} needs the listed attention kernel "
+                                       "(the native extension; CADENCE_LISTED=0 turns it off)")
+                self.kv_dtype = self.dtype
+        return self.kv_dtype
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(hidden.to(self.dtype)).float()
@@ -369,8 +385,8 @@ class FastBackbone(RowsForward, Backbone):
         store = None
         if cache is not None:
             def store(i, k, v):  # append at [past, past + n); attend to [0, keys)
-                cache.k[i, :, :, past:past + n] = k
-                cache.v[i, :, :, past:past + n] = v
+                cache.k[i, :, :, past:past + n] = self._to_kv(k)
+                cache.v[i, :, :, past:past + n] = self._to_kv(v)
                 return cache.k[i, :, :, :keys], cache.v[i, :, :, :keys]
         paths = None
         if steady and given_tree:
@@ -388,6 +404,18 @@ class FastBackbone(RowsForward, Backbone):
         if cache is not None:
             cache.advance(real)
         return x[:, :real], (tap_out[:, :real] if taps else None)
+
+    def _to_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values as the cache stores them: unchanged, or (a float16 cache) rounded
+        with saturation, by the same function as the C++ loop's store (``kv_half``)."""
+        if x.dtype == self.kv_dtype:
+            return x
+        return self._ops.kv_half(x) if self._ops is not None else x.clamp(-F16_MAX, F16_MAX).to(self.kv_dtype)
+
+    def _from_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """Cached keys or values in the backbone's dtype, for attention kernels other than
+        ``listed_attention`` (which reads a float16 cache itself); exact."""
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def _tap_buffer(self, input_ids, taps) -> torch.Tensor | None:
         """(b, n, len(taps), d) for the forward's tapped states, or None without taps."""
@@ -463,8 +491,8 @@ class FastBackbone(RowsForward, Backbone):
             scale = 1.0 / math.sqrt(self.spec.head_dim)
 
             def attend(i, q, k, v):
-                cache.k[i, :, :, past:past + n] = k
-                cache.v[i, :, :, past:past + n] = v
+                cache.k[i, :, :, past:past + n] = self._to_kv(k)
+                cache.v[i, :, :, past:past + n] = self._to_kv(v)
                 return self._ops.listed_attention(q, cache.k[i], cache.v[i], *lists, scale)
             x = self._layers_forward(input_ids, cos, sin, attend, taps, tap_out)
         cache.advance(real)
@@ -544,6 +572,7 @@ class FastBackbone(RowsForward, Backbone):
         def attend(i, q, k, v):
             if store is not None:
                 k, v = store(i, k, v)
+                k, v = self._from_kv(k), self._from_kv(v)  # a float16 cache, widened for these kernels
             if groups is not None:
                 return consistent.attend_groups(q, k, v, mask, gqa, groups, memo)
             if gqa and mask is not None:

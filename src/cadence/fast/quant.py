@@ -68,3 +68,31 @@ def resolve_quant(quant: str, device: torch.device, dtype: torch.dtype, gguf_pat
         return "none", ("auto: dense fp32 weights (the gguf kernel measured slower than oneDNN's fp32 product at "
                         "1 row on the AMX Xeon limited to AVX2; --quant gguf forces it)")
     return "gguf", gguf.describe()
+
+
+# --kv-dtype: the KV cache's dtype. float16 halves the bytes a decode step reads from the cache
+# (the whole cache, every step: at 1,000 tokens of context about 46 MB per forward for
+# SmolLM2-135M in float32, as much as its Q4_1 weights); llama.cpp's default cache is float16 too
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+F16_MAX = 65504.0  # the largest finite float16: stores saturate there
+
+
+def resolve_kv_dtype(kv_dtype: str, device: torch.device, dtype: torch.dtype, quant: str) -> torch.dtype:
+    """The cache dtype for ``--kv-dtype``: ``auto`` is float16 on a GGUF model's own blocks (a
+    float32 backbone reading a 4- or 8-bit file, as llama.cpp's default cache), else the
+    backbone's dtype; ``float16`` needs a float32 CPU backbone (keys and values are rounded
+    to float16, saturating, when stored, and widened exactly when read); otherwise the
+    backbone's own dtype only. Speculation stays lossless against plain decoding with the
+    same cache: both round the same entries the same way."""
+    if kv_dtype not in KV_DTYPES:
+        raise CadenceError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "auto":
+        return torch.float16 if quant == "gguf" else dtype
+    want = getattr(torch, kv_dtype)
+    if want == dtype:
+        return want
+    if want == torch.float16 and dtype == torch.float32 and device.type == "cpu":
+        return want
+    have = str(dtype).replace("torch.", "")
+    raise CadenceError(f"--kv-dtype {kv_dtype} with a {have} backbone on {device.type}: the cache is the "
+                       f"backbone's dtype ({have}), or float16 under a float32 CPU backbone")

@@ -26,7 +26,7 @@ class RowsForward:
     def new_batch_cache(self, slots: int, capacity: int | None = None) -> BatchKVCache:
         """A ragged cache of ``slots`` rows for ``forward_rows`` (the batch engine)."""
         s = self.spec
-        return BatchKVCache(s.layers, s.kv_heads, s.head_dim, self.max_positions, self.dtype,
+        return BatchKVCache(s.layers, s.kv_heads, s.head_dim, self.max_positions, self._cache_dtype(),
                             self.device, slots=slots, capacity=capacity)
 
     @torch.inference_mode()
@@ -71,6 +71,7 @@ class RowsForward:
         block = slice(first, first + b)
 
         def store(i, k, v):  # k, v: (B, kv_heads, n, head_dim) -> row b at [starts[b], starts[b] + n)
+            k, v = self._to_kv(k), self._to_kv(v)  # as a float16 cache holds them
             if b == 1:
                 cache.k[i, first, :, starts[0]:starts[0] + n] = k[0]
                 cache.v[i, first, :, starts[0]:starts[0] + n] = v[0]

@@ -89,7 +89,7 @@ def build(args: argparse.Namespace):
     narrow = from_args(NarrowFlags, args)
     spec = MethodSpec.from_args(args)
     defaults = from_args(GenerationConfig, args)  # validated now: bad defaults exit 2
-    backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant)
+    backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant, args.kv_dtype)
     engine = make_engine(backbone, spec)
     multi = multi_engine(engine, conf.batching, conf.max_batch, narrow, conf.prefill_chunk)
     settings = AppSettings(model_name=conf.served_model_name or backbone.name, max_queue=conf.max_queue,

@@ -33,7 +33,8 @@
 // On a CPU with AMX, bf16 calls go to ``attention_amx.cpp`` instead (the same contract, other
 // arithmetic; one of the two for every call of a process).
 //
-// Knows: float32 and bfloat16 inputs whose last dimension is contiguous, grouped-query
+// Knows: float32 and bfloat16 inputs whose last dimension is contiguous (and float32 queries over
+// a float16 cache, its keys and values widened exactly as they are read), grouped-query
 // heads, head sizes 16 x {1, 2, 4, 6, 8, 12, 16}. Does not know trees or caches: the caller
 // lists the keys.
 
@@ -70,12 +71,15 @@ inline v16 partial(const v16* q, const float* k) {
 // The query vectors of one work item: grouped-query heads sharing one kv head, each at one
 // query row. Ranks [0, shared) name keys 0..shared-1 for every vector, so each block of 16
 // of them is widened once for all; later ranks are gathered per vector. C = head_dim / 16.
-template <typename T, int C>
+template <typename T, typename KT, int C>  // T: queries and outputs; KT: keys and values
 struct Item {
   static constexpr int64_t D = 16 * C;
   static constexpr int QB = C <= 4 ? 4 : 2;  // query vectors per register block
-  const T* K;
-  const T* V;
+  // a shared block as the products read it: bf16 keys widened into a buffer first, float32 and
+  // float16 ones read where they lie (a float16 chunk widens in the register it is loaded to)
+  using BT = std::conditional_t<std::is_same_v<KT, at::BFloat16>, float, KT>;
+  const KT* K;
+  const KT* V;
   int64_t sk, sv;
   float scale;
   const Lists* lists;
@@ -102,7 +106,7 @@ struct Item {
     v16 part[LANES], q[C], a[C];
     for (int64_t j0 = 0; j0 < shared; j0 += LANES) {  // scores over the shared blocks
       int64_t bs;
-      const float* kb = block(K + j0 * sk, sk, blk, bs);
+      const BT* kb = block(K + j0 * sk, sk, blk, bs);
       int64_t i = 0;
       for (; i + QB <= m; i += QB) shared_scores<QB>(qf + i * D, kb, bs, scores + i * width + j0, width);
       for (; i < m; ++i) shared_scores<1>(qf + i * D, kb, bs, scores + i * width + j0, width);
@@ -113,7 +117,7 @@ struct Item {
       for (int64_t j0 = shared; j0 < width; j0 += LANES) {
         for (int r = 0; r < LANES; ++r) {
           const int64_t j = j0 + r;
-          const T* kj = K + (j < c_i ? lists->key(rows[i], j) : 0) * sk;
+          const KT* kj = K + (j < c_i ? lists->key(rows[i], j) : 0) * sk;
           for (int c = 0; c < C; ++c) store(blk + r * D + 16 * c, load(kj + 16 * c));
           part[r] = partial<C>(q, blk + r * D);
         }
@@ -124,7 +128,7 @@ struct Item {
     for (int64_t i = 0; i < m * D; ++i) acc[i] = 0.0f;
     for (int64_t j0 = 0; j0 < shared; j0 += LANES) {  // values over the shared blocks, ranks in order
       int64_t bs;
-      const float* vb = block(V + j0 * sv, sv, blk, bs);
+      const BT* vb = block(V + j0 * sv, sv, blk, bs);
       int64_t i = 0;
       for (; i + QB <= m; i += QB) shared_values<QB>(scores + i * width + j0, width, vb, bs, acc + i * D);
       for (; i < m; ++i) shared_values<1>(scores + i * width + j0, width, vb, bs, acc + i * D);
@@ -134,7 +138,7 @@ struct Item {
       const float* p = scores + i * width;
       for (int c = 0; c < C; ++c) a[c] = load(acc + i * D + 16 * c);
       for (int64_t j = shared; j < c_i; ++j) {
-        const T* vj = V + lists->key(rows[i], j) * sv;
+        const KT* vj = V + lists->key(rows[i], j) * sv;
         const v16 w = splat(p[j]);
         for (int c = 0; c < C; ++c) a[c] = fma(w, load(vj + 16 * c), a[c]);
       }
@@ -149,7 +153,7 @@ struct Item {
   // scores of Q query vectors (qf: (Q, D), scaled) against one block of 16 fp32 keys (row r
   // at blk + r * bs) -> out[i * width + r]; each key chunk is loaded once for the Q vectors
   template <int Q>
-  static void shared_scores(const float* qf, const float* blk, int64_t bs, float* out, int64_t width) {
+  static void shared_scores(const float* qf, const BT* blk, int64_t bs, float* out, int64_t width) {
     v16 q[Q][C], part[Q][LANES];
     for (int i = 0; i < Q; ++i)
       for (int c = 0; c < C; ++c) q[i][c] = load(qf + i * D + 16 * c);
@@ -169,7 +173,7 @@ struct Item {
   // block's fp32 values (row r at blk + r * bs), in rank order; each value chunk is loaded
   // once for the Q vectors
   template <int Q>
-  static void shared_values(const float* p, int64_t width, const float* blk, int64_t bs, float* acc) {
+  static void shared_values(const float* p, int64_t width, const BT* blk, int64_t bs, float* acc) {
     v16 a[Q][C];
     for (int i = 0; i < Q; ++i)
       for (int c = 0; c < C; ++c) a[i][c] = load(acc + i * D + 16 * c);
@@ -185,11 +189,12 @@ struct Item {
       for (int c = 0; c < C; ++c) store(acc + i * D + 16 * c, a[i][c]);
   }
 
-  // 16 rows of D at src (row stride ``stride``) as fp32 rows: fp32 ones where they lie (a copy
-  // would only double the traffic of keys that come from L2 or beyond), others widened into
-  // blk (16, D); the row stride of the result goes to ``bs``
-  static const float* block(const T* src, int64_t stride, float* blk, int64_t& bs) {
-    if constexpr (std::is_same_v<T, float>) {
+  // 16 rows of D at src (row stride ``stride``) as the shared products read them: float32 and
+  // float16 ones where they lie (a copy would only double the traffic of keys that come from L2
+  // or beyond; float16 widens as it loads), bf16 ones widened into blk (16, D); the row stride
+  // of the result goes to ``bs``
+  static const BT* block(const KT* src, int64_t stride, float* blk, int64_t& bs) {
+    if constexpr (!std::is_same_v<KT, at::BFloat16>) {
       bs = stride;
       return src;
     } else {
@@ -200,13 +205,13 @@ struct Item {
   }
 
   // 16 rows of D (row stride ``stride``) widened to fp32 into blk (16, D)
-  static void widen(const T* src, int64_t stride, float* blk) {
+  static void widen(const KT* src, int64_t stride, float* blk) {
     for (int r = 0; r < LANES; ++r)
       for (int c = 0; c < C; ++c) store(blk + r * D + 16 * c, load(src + r * stride + 16 * c));
   }
 };
 
-template <typename T, int C>
+template <typename T, typename KT, int C>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Lists& lists, at::Tensor& out,
          float scale) {
   const int64_t b = q.size(0), H = q.size(1), n = q.size(2), KV = k.size(1);
@@ -216,8 +221,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Li
   const int64_t pieces =
       std::min<int64_t>(per, std::max<int64_t>(1, (2 * at::get_num_threads() + b * KV - 1) / (b * KV)));
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const KT* kp = k.data_ptr<KT>();
+  const KT* vp = v.data_ptr<KT>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
@@ -229,7 +234,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Li
     std::vector<T*> outs;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t piece = item % pieces, kvh = (item / pieces) % KV, bi = item / (pieces * KV);
-      const Item<T, C> work{kp + bi * ks0 + kvh * ks1, vp + bi * vs0 + kvh * vs1, ks2, vs2, scale, &lists};
+      const Item<T, KT, C> work{kp + bi * ks0 + kvh * ks1, vp + bi * vs0 + kvh * vs1, ks2, vs2, scale, &lists};
       qs.clear(), rows.clear(), outs.clear();
       for (int64_t x = piece * per / pieces; x < (piece + 1) * per / pieces; ++x) {  // x = head-in-group * n + row
         const int64_t h = kvh * g + x / n, r = x % n;
@@ -242,17 +247,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Li
   });
 }
 
-template <typename T>
+template <typename T, typename KT = T>
 void dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Lists& lists, at::Tensor& out,
               float scale) {
   switch (q.size(3) / LANES) {
-    case 1: return run<T, 1>(q, k, v, lists, out, scale);
-    case 2: return run<T, 2>(q, k, v, lists, out, scale);
-    case 4: return run<T, 4>(q, k, v, lists, out, scale);
-    case 6: return run<T, 6>(q, k, v, lists, out, scale);
-    case 8: return run<T, 8>(q, k, v, lists, out, scale);
-    case 12: return run<T, 12>(q, k, v, lists, out, scale);
-    case 16: return run<T, 16>(q, k, v, lists, out, scale);
+    case 1: return run<T, KT, 1>(q, k, v, lists, out, scale);
+    case 2: return run<T, KT, 2>(q, k, v, lists, out, scale);
+    case 4: return run<T, KT, 4>(q, k, v, lists, out, scale);
+    case 6: return run<T, KT, 6>(q, k, v, lists, out, scale);
+    case 8: return run<T, KT, 8>(q, k, v, lists, out, scale);
+    case 12: return run<T, KT, 12>(q, k, v, lists, out, scale);
+    case 16: return run<T, KT, 16>(q, k, v, lists, out, scale);
     default: TORCH_CHECK(false, "listed_attention: head_dim 16, 32, 64, 96, 128, 192 or 256");
   }
 }
@@ -263,7 +268,9 @@ at::Tensor listed_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& extra, const at::Tensor& count, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "listed_attention: q, k, v of 4 dims");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "listed_attention: CPU only");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "listed_attention: dtypes");
+  const bool half_kv = q.scalar_type() == at::kFloat && k.scalar_type() == at::kHalf;  // a float16 cache
+  TORCH_CHECK((q.scalar_type() == k.scalar_type() || half_kv) && k.scalar_type() == v.scalar_type(),
+              "listed_attention: q, k, v of one dtype, or float32 q over float16 k, v");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "listed_attention: last dim contiguous");
   const int64_t b = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3);
   TORCH_CHECK(D % LANES == 0, "listed_attention: head_dim a multiple of 16");
@@ -293,6 +300,8 @@ at::Tensor listed_attention(const at::Tensor& q, const at::Tensor& k, const at::
     amx_listed_attention(q, k, v, lists, out, static_cast<float>(scale));
   } else if (q.scalar_type() == at::kBFloat16) {
     dispatch<at::BFloat16>(q, k, v, lists, out, static_cast<float>(scale));
+  } else if (half_kv) {
+    dispatch<float, at::Half>(q, k, v, lists, out, static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "listed_attention: float32 or bfloat16");
     dispatch<float>(q, k, v, lists, out, static_cast<float>(scale));

@@ -23,6 +23,7 @@
 #include "fused_math.h"
 #include "vec16.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace cadence {
@@ -206,6 +207,31 @@ at::Tensor silu_mul(const at::Tensor& gu) {
     silu_mul_rows(x.data_ptr<float>(), y.data_ptr<float>(), rows, I);
   }
   return y;
+}
+
+void to_half_saturated(const float* from, at::Half* to, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  const __m256 lo = _mm256_set1_ps(-65504.0f), hi = _mm256_set1_ps(65504.0f);
+  for (; i + 8 <= n; i += 8) {  // max / min return their second operand for NaN: NaN lanes are put back
+    const __m256 x = _mm256_loadu_ps(from + i);
+    const __m256 c = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 y = _mm256_blendv_ps(c, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i), _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = from[i];
+    to[i] = static_cast<at::Half>(std::isnan(x) ? x : std::min(std::max(x, -65504.0f), 65504.0f));
+  }
+}
+
+at::Tensor kv_half(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "kv_half: CPU float32");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kHalf));
+  to_half_saturated(xc.data_ptr<float>(), out.data_ptr<at::Half>(), xc.numel());
+  return out;
 }
 
 at::Tensor argmax_rows(const at::Tensor& x) {

@@ -22,4 +22,12 @@ at::Tensor silu_mul(const at::Tensor& gu);
 // the maximum). torch's CPU argmax takes about 1.3 ns a value; this one a vector pass and a scan.
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// to[i] = float16(clamp(from[i], -65504, 65504)) for i < n, rounded to nearest even: a float16
+// KV cache's store (``FastBackbone`` kv_dtype float16). Saturating, so a value past float16's range
+// stays finite (NaN stays NaN); the same bits as torch's x.clamp(-65504, 65504).to(torch.float16).
+void to_half_saturated(const float* from, at::Half* to, int64_t n);
+
+// x (float32) -> float16 through ``to_half_saturated``, same shape (contiguous)
+at::Tensor kv_half(const at::Tensor& x);
+
 }  // namespace cadence

@@ -226,6 +226,16 @@ class Layers {
     TORCH_CHECK(cache.size(0) == b && cache.size(1) == KV && cache.size(3) == hd && past >= 0 &&
                     past + n <= cache.size(2),
                 "kv cache: rows [", past, ", ", past + n, ") do not fit a cache of ", cache.size(2));
+    if (cache.scalar_type() == at::kHalf && x.scalar_type() == at::kFloat && x.stride(3) == 1 && cache.stride(3) == 1) {
+      for (int64_t bi = 0; bi < b; ++bi)
+        for (int64_t h = 0; h < KV; ++h)
+          for (int64_t r = 0; r < n; ++r)
+            cadence::to_half_saturated(x.data_ptr<float>() + bi * x.stride(0) + h * x.stride(1) + r * x.stride(2),
+                                       cache.data_ptr<at::Half>() + bi * cache.stride(0) + h * cache.stride(1) +
+                                           (past + r) * cache.stride(2),
+                                       hd);
+      return;
+    }
     if (x.scalar_type() != cache.scalar_type() || x.stride(3) != 1 || cache.stride(3) != 1) {
       cache.narrow(2, past, n).copy_(x);
       return;
@@ -255,6 +265,10 @@ class Layers {
       store_rows(V, past, v);
       k = K.narrow(2, 0, keys);
       v = V.narrow(2, 0, keys);
+      if (k.scalar_type() != q.scalar_type()) {  // a float16 cache: attend to what it holds, widened
+        k = k.to(q.scalar_type());
+        v = v.to(q.scalar_type());
+      }
     }
     if (!folded) return at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, std::nullopt, gqa);
     at::Tensor qq = q;
@@ -311,6 +325,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_q_amx", &cadence::set_q_amx, "tests only: q_linear's AMX int8 path on/off; returns the previous");
   m.def("q_isa", &cadence::q_isa, "the vector code q_linear was built to: avx512, avx2 or generic (gemm_q.cpp)");
   m.def("argmax_rows", &cadence::argmax_rows, "x.argmax(-1) of CPU rows, one vector pass (fused.cpp)");
+  m.def("kv_half", &cadence::kv_half, "float32 -> float16, saturated: a float16 KV cache's store (fused.cpp)");
   m.def("silu_mul", &cadence::silu_mul, "silu(gate) * up of [gate | up] rows, one pass (fused.cpp)");
   m.def("rope", &cadence::rope, "x * cos + rotate_half(x) * sin, one pass per row (fused.cpp)");
 }

@@ -148,6 +148,10 @@ inline v16 load(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits mov
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16)),
           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16))};
 }
+inline v16 load(const at::Half* p) {  // fp16 -> fp32 is exact (F16C: every AVX2 CPU has it)
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
+}
 inline void store(float* p, v16 x) { _mm256_storeu_ps(p, x.lo), _mm256_storeu_ps(p + 8, x.hi); }
 // a * b + c rounded once, lane-wise
 inline v16 fma(v16 a, v16 b, v16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
@@ -202,6 +206,15 @@ inline v16 load(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits mov
   const u16w w = __builtin_convertvector(h, u16w) << 16;
   v16 r;
   std::memcpy(&r, &w, sizeof r);
+  return r;
+#endif
+}
+inline v16 load(const at::Half* p) {  // fp16 -> fp32 is exact
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  v16 r;
+  for (int l = 0; l < 16; ++l) r[l] = static_cast<float>(p[l]);
   return r;
 #endif
 }
