@@ -166,6 +166,24 @@ def test_error_corrupt_gguf(capsys, tmp_path, monkeypatch):
     assert not any(p.name.count(".tmp") for p in (tmp_path / "cache").rglob("*"))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-dtype", "bfloat16"], "--kv-dtype bfloat16 with a float32 backbone"),
+    (["--kv-dtype", "float16", "--dtype", "bfloat16"], "--kv-dtype float16 with a bfloat16 backbone"),
+    (["--kv-dtype", "float16", "--backend", "transformers"], "--kv-dtype float16 needs the fast backend"),
+    (["--kv-dtype", "float16"], "--kv-dtype float16 needs the listed attention kernel"),  # a dense fp32 tiny model
+])
+def test_error_kv_dtype_it_cannot_run(capsys, model_dir, argv, message):
+    _assert_error(*run(capsys, "--model", model_dir, "--prompt", "hi", "--max-new-tokens", 2, *argv), message)
+
+
+def test_generate_json_names_the_kv_cache(capsys, model_dir):
+    rc, out, err = run(capsys, "--model", model_dir, "--prompt", PROMPT, "--method", "vanilla",
+                       "--max-new-tokens", 4, "--json", "--kv-dtype", "float32")
+    assert rc == 0, err
+    [rec] = json_lines(out)
+    assert rec["kv_dtype"] == "float32" and "kv-" not in rec["kernels"]
+
+
 @pytest.mark.parametrize("prompt", ["", "   ", "\n\t"])
 def test_error_empty_prompt(capsys, model_dir, prompt):
     _assert_error(*run(capsys, "--model", model_dir, "--prompt", prompt, "--method", "vanilla"), "empty prompt")

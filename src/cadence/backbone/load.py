@@ -44,6 +44,8 @@ def precision(backbone) -> dict:
         out["dtype_reason"] = backbone.dtype_reason
     if hasattr(backbone, "quant"):
         out.update(quant=backbone.quant, quant_reason=backbone.quant_reason, kernels=backbone.kernels)
+    if hasattr(backbone, "kv_dtype"):
+        out["kv_dtype"] = str(backbone.kv_dtype).replace("torch.", "")
     return out
 
 

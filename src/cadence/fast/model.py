@@ -127,6 +127,8 @@ class FastBackbone(RowsForward, Backbone):
         self._hook = None
         if self._released:
             self._hook = self.model.register_forward_pre_hook(lambda mod, args: self._restore())
+        if self.kv_dtype != self.dtype:
+            self._cache_dtype()  # a float16 cache the attention path cannot read: an error now, not at decode
 
     # the fast path's weights never move once built: device and dtype are read once, not by
     # walking the model's parameters (8 walks per forward, about 0.2 ms)
