@@ -10,7 +10,8 @@ verified one node, "copies" when its tree is named ``copies-*`` or ``ngram-*``, 
 
 With ``--repeat R`` only the generations of repeat R count (a ``--repeats 2`` run: R = 1 is each
 prompt asked again, e.g. with an online store that learnt its first reply), and per method the
-whole generations' tokens per second and their ratio to ``vanilla``'s are printed too.
+whole generations' tokens per second and their ratio to ``vanilla``'s are printed too, with the
+prefill excluded as well (a long prompt's prefill can take as long as its reply).
 
 Usage:  python benchmarks/analysis/step_kinds.py runs/bench/records.jsonl [--repeat R] [--json]
 """
@@ -50,14 +51,17 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
             for m, kinds in acc.items()}
 
 
-def speeds(records: list[dict]) -> dict[str, float]:
-    """method -> new tokens per second over its whole generations (prefill included)."""
-    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+def speeds(records: list[dict], decode: bool = False) -> dict[str, float | None]:
+    """method -> new tokens per second over its whole generations (prefill included), or with
+    ``decode`` over their wall time after the prefill (None for a method that records no
+    prefill time, e.g. llama.cpp)."""
+    acc: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, True])
     for r in records:
         if r.get("wall_s"):
             acc[r["method"]][0] += r["new_tokens"]
-            acc[r["method"]][1] += r["wall_s"]
-    return {m: round(t / s, 2) for m, (t, s) in acc.items()}
+            acc[r["method"]][1] += r["wall_s"] - (r.get("prefill_s") or 0.0 if decode else 0.0)
+            acc[r["method"]][2] &= r.get("prefill_s") is not None
+    return {m: round(t / s, 2) if s > 0 and (known or not decode) else None for m, (t, s, known) in acc.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat is not None:
         records = [r for r in records if r.get("repeat", 0) == args.repeat]
     out = summarize(records)
-    rates = speeds(records)
+    rates, decode = speeds(records), speeds(records, decode=True)
     if args.json:
-        print(json.dumps({"steps": out, "tokens_per_s": rates}, indent=1))
+        print(json.dumps({"steps": out, "tokens_per_s": rates, "decode_tokens_per_s": decode}, indent=1))
         return 0
     print("| method | kind | steps | tokens / step | ms / step | tokens / ms |")
     print("|---|---|---:|---:|---:|---:|")
@@ -88,10 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in kinds.items():
             print(f"| {method} | {k} | {v['steps']} | {v['tokens_per_step']:.2f} | {v['ms_per_step']:.2f} | "
                   f"{v['tokens_per_ms']:.3f} |")
-    base = rates.get("vanilla")
-    print("\n| method | tok/s | vs vanilla |\n|---|---:|---:|")
+    base, dbase = rates.get("vanilla"), decode.get("vanilla")
+    print("\n| method | tok/s | vs vanilla | decode tok/s (prefill excluded) | vs vanilla |\n|---|---:|---:|---:|---:|")
     for method, rate in rates.items():
-        print(f"| {method} | {rate:.1f} | {rate / base:.2f}x |" if base else f"| {method} | {rate:.1f} | |")
+        d = decode[method]
+        cells = [f"{rate:.1f}", f"{rate / base:.2f}x" if base else "", f"{d:.1f}" if d else "–",
+                 f"{d / dbase:.2f}x" if d and dbase else ""]
+        print(f"| {method} | " + " | ".join(cells) + " |")
     return 0
 
 
