@@ -238,6 +238,11 @@ def test_the_avx2_and_generic_builds_give_the_same_attention(march):
         assert torch.equal(out, native.module().listed_attention(q, k, v, *lists, 0.125))
         assert torch.equal(ops.listed_attention(q.float(), k.float(), v.float(), *lists, 0.125),
                            native.module().listed_attention(q.float(), k.float(), v.float(), *lists, 0.125))
+        kh, vh = k.float().half(), v.float().half()  # a float16 cache under float32 queries
+        assert torch.equal(ops.listed_attention(q.float(), kh, vh, *lists, 0.125),
+                           native.module().listed_attention(q.float(), kh, vh, *lists, 0.125))
+        x = torch.randn(1000, generator=gen) * 3e4
+        assert torch.equal(ops.kv_half(x).view(torch.int16), native.module().kv_half(x).view(torch.int16))
         native.module().set_listed_attention_amx(was)
     for r, keys in enumerate([list(range(251)), list(range(252)), list(range(251)) + [252], list(range(17)) + [20, 21]]):
         assert (out[0, :, r].double() - _reference(q[0, :, r], k[0], v[0], keys)).abs().max() < 1e-2, r
