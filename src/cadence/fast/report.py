@@ -113,6 +113,7 @@ def collect() -> dict:
         "auto_dtype": {"dtype": dtype, "why": why},
         "auto_kernels": auto_kernels(build["state"]),
         "auto_quant": dict(zip(("quant", "why"), auto_quant(dtype))),
+        "auto_kv_dtype": "float16 on a GGUF model's own blocks (--quant gguf), else the model's dtype",
         "forced_isa": forced_isa(),
         "native": build,
         "cache": {"root": str(disk_cache.root()), "kernels_root": str(disk_cache.kernels_root()),
@@ -141,6 +142,7 @@ def format_report(info: dict) -> str:
         f"dtype auto    {info['auto_dtype']['dtype']}: {info['auto_dtype']['why']}",
         f"kernels auto  bf16 {info['auto_kernels']['bfloat16']}; fp32 {info['auto_kernels']['float32']}",
         f"quant auto    {info['auto_quant']['quant']}: {info['auto_quant']['why']}",
+        f"kv-dtype auto {info['auto_kv_dtype']}",
         f"CADENCE_ISA   {info['forced_isa']['isa']} (-march={info['forced_isa']['march']})"
         + (f": PROBLEM: {info['forced_isa']['problem']}" if info["forced_isa"]["problem"] else
            (": torch switches " + " ".join(f"{k}={v}" for k, v in info["forced_isa"]["needs"].items()) + " set"
