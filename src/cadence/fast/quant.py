@@ -1,8 +1,10 @@
-"""``--quant``: which weight format the fast decoder's projections run on.
+"""``--quant``: which weight format the fast decoder's projections run on; ``--kv-dtype``: which
+dtype its KV cache holds.
 
 Knows: the values (``none``; weight-only ``int8`` / ``int4`` of ``kernels``; ``gguf``, the
-GGUF file's own blocks through ``gguf``; ``auto``) and when each can run (device, dtype,
-the model's file, the native extension). Does not know how the products are computed.
+GGUF file's own blocks through ``gguf``; ``auto``; cache dtypes) and when each can run (device,
+dtype, the model's file, the native extension). Does not know how the products are computed or
+how attention reads the cache.
 """
 
 from __future__ import annotations
