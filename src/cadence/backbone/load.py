@@ -26,7 +26,7 @@ from cadence.errors import CadenceError
 from cadence.fast.arch import unsupported_reason
 from cadence.fast.model import FastBackbone
 from cadence.fast.gguf import GGUF_FIRST
-from cadence.fast.quant import gguf_blocker, KV_DTYPES, QUANTS
+from cadence.fast.quant import BLOCK_QUANTS, gguf_blocker, KV_DTYPES, QUANTS
 from cadence.system import cache as disk_cache
 from cadence.system import locks
 from cadence.system.cache import root as cache_root
@@ -80,6 +80,8 @@ def auto_precision(config, device: torch.device, backend: str, quant: str, gguf_
     so ``--quant auto`` takes ``gguf``, the faster path (``GGUF_FIRST``). ``--quant none`` or
     ``--dtype bfloat16`` keep bf16. Example: the default model on an AMX Xeon -> (float32,
     "...own blocks..."); the same with ``--quant none`` -> (bfloat16, "...")."""
+    if quant in BLOCK_QUANTS and device.type == "cpu":
+        return torch.float32, f"auto: float32 for --quant {quant} (the integer kernel computes in float32)"
     if not lossless_bf16(config, device, backend):
         return None, ""
     if quant == "auto" and GGUF_FIRST and gguf_blocker(device, torch.float32, gguf_path) is None:
@@ -280,7 +282,9 @@ def add_model_args(p: argparse.ArgumentParser, quant: str = "auto") -> None:
     p.add_argument("--quant", default=quant, choices=list(QUANTS),
                    help="auto: gguf where it applies, else none | gguf: a GGUF model's own "
                         "Q4_0 / Q4_1 / Q8_0 blocks (CPU, float32; the file's weights, activations rounded to 8 "
-                        "bits per 32 as llama.cpp) | none | int8 | int4: weight-only int8 / 4-bit "
+                        "bits per 32 as llama.cpp) | q8_0 | q4_1 | q4_0: any model's weights quantized at load "
+                        "into GGUF blocks of that type (LM head Q8_0), on the same kernel (CPU, float32; LOSSY as "
+                        "such a GGUF file is) | none | int8 | int4: weight-only int8 / 4-bit "
                         "(groups of 32, like llama.cpp's Q4_1) projections and LM head (fast backend, CPU; LOSSY "
                         "against the unquantized model, speculation stays identical to plain decoding of the "
                         f"quantized model) (default: {quant})")

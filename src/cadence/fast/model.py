@@ -37,6 +37,7 @@ from cadence.fast import arch, consistent, gguf, native, rope
 from cadence.fast.cache import StaticKVCache
 from cadence.fast import kernels
 from cadence.fast.kernels import ROW_FREE, Linear, resolve_kind
+from cadence.fast.blocks import SELF_QUANTS, Quantizer
 from cadence.fast.quant import F16_MAX, resolve_kv_dtype, resolve_quant
 from cadence.fast.rows import RowsForward
 
@@ -83,17 +84,21 @@ class FastBackbone(RowsForward, Backbone):
         self.spec = arch.check(model.config)
         self.kernel = resolve_kind(kernel, self.device, self.dtype)
         self.quant, self.quant_reason = resolve_quant(quant, self.device, self.dtype, gguf_path)
-        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.device, self.dtype, self.quant)  # the KV cache's dtype
+        # the projections' kernel: a GGUF's blocks and weights quantized into blocks at load share ``gguf``
+        self.layer_kind = "gguf" if self.quant in SELF_QUANTS else self.quant if self.quant != "none" else self.kernel
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.device, self.dtype, self.layer_kind)  # the KV cache's dtype
         self._kv_asked = kv_dtype  # checked against the attention path at the first cache (``_cache_dtype``)
-        self.layer_kind = self.quant if self.quant != "none" else self.kernel  # the projections' kernel
         self.pack_head = pack_head and self.kernel in ("onednn", "amx")
         self._layers: list[_Layer] = []
         self._released: list = []  # (module, name, fused Linear, row slice) to rebuild on demand
-        self._gguf = None  # ``fast.gguf.GGUFWeights`` while building a ``gguf`` backbone
+        self._gguf = None  # ``fast.gguf.GGUFWeights`` (or ``blocks.Quantizer``) while building a ``gguf`` backbone
         self.gguf_report = None  # ``fast.gguf.Report``: what each matrix runs on (``gguf`` only)
         if self.quant == "gguf":
             self._gguf = gguf.GGUFWeights(gguf_path)
             self.gguf_report = gguf.Report(str(gguf_path))
+        elif self.quant in SELF_QUANTS:
+            self._gguf = Quantizer(self.quant)
+            self.gguf_report = gguf.Report(self._gguf.path)
         self._build()
         self.rope = rope.RopeTable(model.model.rotary_emb, self.max_positions, self.dtype, self.device)
         head_kind = self.kernel if self.pack_head else ("onednn-dense" if self.kernel != "aten" else "aten")
@@ -109,7 +114,7 @@ class FastBackbone(RowsForward, Backbone):
         self._gguf = None  # the file's tensors were copied out of the reader's map
         # see ``fast.consistent``; ``gguf`` products and fp32 ``listed_attention`` are row-consistent
         # too, so a fp32 forward on the file's blocks gives a token the same bits in any tree
-        self.consistent = consistent.wanted(self.kernel, self.dtype) or self.quant == "gguf"
+        self.consistent = consistent.wanted(self.kernel, self.dtype) or self.layer_kind == "gguf"
         if self.consistent:  # weight-only int8/int4 and AMX rows do not depend on the row count (tested): no padding or blocks
             for lin in [self._head] + [getattr(layer, n) for layer in self._layers for n in ("qkv", "o", "gate_up", "down")]:
                 lin.min_rows = 1 if lin.kind in ROW_FREE else consistent.MIN_ROWS
@@ -175,13 +180,21 @@ class FastBackbone(RowsForward, Backbone):
         tensors = tensors or [None] * len(modules)
         label = "+".join(t.removesuffix(".weight") for t in tensors if t) or "?"
         parts = [(t, m.weight.detach().float()) for t, m in zip(tensors, modules)]
-        lin, choice = gguf.build(native.module(), self._gguf, label, parts, (self.spec.heads, self.spec.kv_heads),
-                                 _bias(*modules))
+        if isinstance(self._gguf, Quantizer):
+            lin, choice = self._gguf.build(label, [w for _, w in parts], _bias(*modules))
+        else:
+            lin, choice = gguf.build(native.module(), self._gguf, label, parts, (self.spec.heads, self.spec.kv_heads),
+                                     _bias(*modules))
         self.gguf_report.choices.append(choice)
         return lin
 
     def _gguf_head(self) -> Linear | None:
         """The LM head on the file's ``output`` tensor, or ``token_embd`` where the model ties them."""
+        if isinstance(self._gguf, Quantizer):
+            lin, choice = self._gguf.build("output", [self.lm_head.weight.detach().float()], _bias(self.lm_head),
+                                           head=True)
+            self.gguf_report.choices.append(choice)
+            return lin
         tied = self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
         name = "output.weight" if "output.weight" in self._gguf or not tied else "token_embd.weight"
         lin, choice = gguf.build(native.module(), self._gguf, name.removesuffix(".weight"),

@@ -17,7 +17,8 @@ from cadence.fast import gguf, native
 # --quant: weight-only int8 / int4 of the fast decoder (``kernels``), a GGUF's own blocks (``gguf``),
 # or ``auto`` (``gguf`` where the model is a GGUF of block types it reads and the dtype is fp32,
 # which ``--dtype auto`` then is: ``backbone.load.auto_precision``)
-QUANTS = ("none", "int8", "int4", "gguf", "auto")
+QUANTS = ("none", "int8", "int4", "gguf", "q8_0", "q4_1", "q4_0", "auto")
+BLOCK_QUANTS = ("q8_0", "q4_1", "q4_0")  # the model's weights quantized at load into GGUF blocks (``fast.blocks``)
 
 
 def check_quant(quant: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -49,6 +50,22 @@ def gguf_blocker(device: torch.device, dtype: torch.dtype, gguf_path) -> str | N
     return None
 
 
+def block_reason(quant: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What ``--quant q8_0 | q4_1 | q4_0`` computes (``fast.blocks``), or a CadenceError where it
+    cannot run: a CPU, float32 and the native extension, as ``--quant gguf``."""
+    if device.type != "cpu":
+        raise CadenceError(f"--quant {quant} runs on CPU only")
+    if dtype != torch.float32:
+        raise CadenceError(f"--quant {quant} computes in float32 and the model is "
+                           f"{str(dtype).replace('torch.', '')} (--dtype float32)")
+    if native.module() is None:
+        raise CadenceError(f"--quant {quant} needs the native extension (CADENCE_NATIVE=0, or its build failed: "
+                           "cadence env)")
+    return (f"the model's weights quantized at load into {quant.upper()} blocks (LM head Q8_0), activations "
+            "rounded to 8 bits per block of 32 as llama.cpp does: lossy against the unquantized model, as a "
+            "GGUF file of that type is")
+
+
 def resolve_quant(quant: str, device: torch.device, dtype: torch.dtype, gguf_path) -> tuple[str, str]:
     """(the quant that runs, why). ``gguf``: fp32 products on the GGUF file's own blocks
     (``fast.gguf``; ``gguf_blocker`` says what it needs), an error where it cannot run. ``auto``:
@@ -59,6 +76,8 @@ def resolve_quant(quant: str, device: torch.device, dtype: torch.dtype, gguf_pat
     stay as near fp32 on the file's weights as llama.cpp is
     (``benchmarks/analysis/quant_quality.py``, docs/fast-path.md). Speculation is lossless
     against plain decoding on whichever path runs."""
+    if quant in BLOCK_QUANTS:
+        return quant, block_reason(quant, device, dtype)
     if quant not in ("gguf", "auto"):
         return check_quant(quant, device, dtype), ""
     why_not = gguf_blocker(device, dtype, gguf_path)
@@ -80,8 +99,9 @@ F16_MAX = 65504.0  # the largest finite float16: stores saturate there
 
 
 def resolve_kv_dtype(kv_dtype: str, device: torch.device, dtype: torch.dtype, quant: str) -> torch.dtype:
-    """The cache dtype for ``--kv-dtype``: ``auto`` is float16 on a GGUF model's own blocks (a
-    float32 backbone reading a 4- or 8-bit file, as llama.cpp's default cache), else the
+    """The cache dtype for ``--kv-dtype``: ``auto`` is float16 on GGUF blocks (``quant``: the
+    projections' kind, ``gguf`` for a GGUF's own blocks and for weights quantized into blocks at
+    load; a float32 backbone on 4- or 8-bit weights, as llama.cpp's default cache), else the
     backbone's dtype; ``float16`` needs a float32 CPU backbone (keys and values are rounded
     to float16, saturating, when stored, and widened exactly when read); otherwise the
     backbone's own dtype only. Speculation stays lossless against plain decoding with the

@@ -113,7 +113,7 @@ def collect() -> dict:
         "auto_dtype": {"dtype": dtype, "why": why},
         "auto_kernels": auto_kernels(build["state"]),
         "auto_quant": dict(zip(("quant", "why"), auto_quant(dtype))),
-        "auto_kv_dtype": "float16 on a GGUF model's own blocks (--quant gguf), else the model's dtype",
+        "auto_kv_dtype": "float16 on GGUF blocks (--quant gguf, q8_0, q4_1, q4_0), else the model's dtype",
         "forced_isa": forced_isa(),
         "native": build,
         "cache": {"root": str(disk_cache.root()), "kernels_root": str(disk_cache.kernels_root()),
