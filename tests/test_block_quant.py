@@ -21,7 +21,7 @@ needs_native = pytest.mark.skipif(native.module() is None, reason="the C++ exten
 @needs_native
 @pytest.mark.parametrize("quant, qtype, step", [("q8_0", 8, 1 / 127), ("q4_1", 3, 1 / 15), ("q4_0", 2, 1 / 8)])
 def test_a_dense_model_quantized_at_load_runs_on_blocks_and_speculates_to_its_own_tokens(quant, qtype, step):
-    from test_fast_model import reference_greedy, tree_greedy, tree_mask
+    from test_fast_model import assert_tree_rows_are_one_token_forwards, reference_greedy, tree_greedy
     from tiny import tiny_backbone
 
     from cadence.fast.model import FastBackbone
@@ -41,14 +41,7 @@ def test_a_dense_model_quantized_at_load_runs_on_blocks_and_speculates_to_its_ow
     assert ((q - weight).abs().view_as(per_block.expand(-1, -1, 32)) <= per_block * step + 1e-6).all()
     assert not torch.equal(q, weight)
     prompt = list(range(40, 60))
-    cache = bb.new_cache()
-    bb.forward(torch.tensor([prompt]), cache)
-    past = cache.length()
-    alone = bb.forward(torch.tensor([[7]]), cache).logits[0, 0]
-    cache.compact(past, [])
-    tree = bb.forward(torch.tensor([[7, 8, 9, 10, 11]]), cache, torch.tensor([[0, 1, 1, 2, 1]]) + past,
-                      tree_mask([-1, 0, 0, 2, 0])).logits[0]
-    assert torch.equal(tree[0], alone)
+    assert_tree_rows_are_one_token_forwards(bb, prompt)
     expected = reference_greedy(bb, prompt, 24)
     got, steps = tree_greedy(bb, prompt, 24, expected)
     assert got == expected and steps < 24

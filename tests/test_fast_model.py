@@ -113,6 +113,19 @@ def reference_greedy(bb: Backbone, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def assert_tree_rows_are_one_token_forwards(bb, prompt: list[int]) -> None:
+    """After ``prompt``, token 7's logits as the root of a branching 5-node tree equal its
+    one-token forward's, bit for bit (what makes speculation identical to plain decoding)."""
+    cache = bb.new_cache()
+    bb.forward(torch.tensor([prompt]), cache)
+    past = cache.length()
+    alone = bb.forward(torch.tensor([[7]]), cache).logits[0, 0]
+    cache.compact(past, [])
+    tree = bb.forward(torch.tensor([[7, 8, 9, 10, 11]]), cache, torch.tensor([[0, 1, 1, 2, 1]]) + past,
+                      tree_mask([-1, 0, 0, 2, 0])).logits[0]
+    assert torch.equal(tree[0], alone)
+
+
 def tree_greedy(bb, prompt: list[int], n: int, reference: list[int]) -> tuple[list[int], int]:
     """Greedy tree decoding with a 4-node tree per step: root, a wrong sibling, the right
     token (from ``reference``) and, every other step, its right child. Accepted paths like

@@ -209,7 +209,7 @@ def gguf_model(tmp_path, family: str = "llama-tied"):
 @pytest.mark.parametrize("int8", ["1", "0"], ids=["int8-activations", "fp32-activations"])
 def test_a_backbone_on_gguf_blocks_is_the_fp32_model_and_speculates_to_its_own_tokens(tmp_path, monkeypatch, int8):
     monkeypatch.setenv("CADENCE_GGUF_INT8", int8)  # 1: gemm_qi.cpp (8-bit activations); 0: gemm_q.cpp (fp32)
-    from test_fast_model import reference_greedy, tree_greedy, tree_mask
+    from test_fast_model import assert_tree_rows_are_one_token_forwards, reference_greedy, tree_greedy
 
     from cadence.fast.model import FastBackbone
 
@@ -235,15 +235,7 @@ def test_a_backbone_on_gguf_blocks_is_the_fp32_model_and_speculates_to_its_own_t
     # the same weights; other sums (fp32), or the activations rounded to 8 bits per 32 (int8)
     tol = 1e-4 if int8 == "0" else 0.1 * dense.forward(ids).logits.abs().max()
     assert (q.forward(ids).logits - dense.forward(ids).logits).abs().max() < tol
-    # a token's logits in a tree are its one-token forward's, bit for bit
-    cache = q.new_cache()
-    q.forward(ids, cache)
-    past = cache.length()
-    alone = q.forward(torch.tensor([[7]]), cache).logits[0, 0]
-    cache.compact(past, [])
-    tree = q.forward(torch.tensor([[7, 8, 9, 10, 11]]), cache, torch.tensor([[0, 1, 1, 2, 1]]) + past,
-                     tree_mask([-1, 0, 0, 2, 0])).logits[0]
-    assert torch.equal(tree[0], alone)
+    assert_tree_rows_are_one_token_forwards(q, prompt)  # a token's logits in a tree: its one-token forward's
     expected = reference_greedy(q, prompt, 24)
     got, steps = tree_greedy(q, prompt, 24, expected)
     assert got == expected and steps < 20

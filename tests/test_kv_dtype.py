@@ -67,7 +67,7 @@ def test_kv_dtype_auto_and_what_it_refuses():
 @needs_native
 def test_a_float16_cache_keeps_speculation_identical_to_plain_decoding(tmp_path):
     pytest.importorskip("gguf")
-    from test_fast_model import reference_greedy, tree_greedy, tree_mask
+    from test_fast_model import assert_tree_rows_are_one_token_forwards, reference_greedy, tree_greedy
     from test_gemm_q import gguf_model
 
     from cadence.fast.model import FastBackbone
@@ -81,16 +81,10 @@ def test_a_float16_cache_keeps_speculation_identical_to_plain_decoding(tmp_path)
     assert q.new_cache().k.dtype == torch.float16 and q.new_batch_cache(2).k.dtype == torch.float16
     prompt = list(range(40, 60))
     ids = torch.tensor([prompt])
-    cache = q.new_cache()
-    got = q.forward(ids, cache).logits
+    got = q.forward(ids, q.new_cache()).logits
     want = wide.forward(ids, wide.new_cache()).logits
     assert 0 < (got - want).abs().max() < 0.05 * want.abs().max()  # rounded keys and values: near, not equal
-    past = cache.length()
-    alone = q.forward(torch.tensor([[7]]), cache).logits[0, 0]
-    cache.compact(past, [])
-    tree = q.forward(torch.tensor([[7, 8, 9, 10, 11]]), cache, torch.tensor([[0, 1, 1, 2, 1]]) + past,
-                     tree_mask([-1, 0, 0, 2, 0])).logits[0]
-    assert torch.equal(tree[0], alone)  # a node's bits are its one-token forward's
+    assert_tree_rows_are_one_token_forwards(q, prompt)  # a node's bits are its one-token forward's
     expected = reference_greedy(q, prompt, 24)
     got_tokens, steps = tree_greedy(q, prompt, 24, expected)
     assert got_tokens == expected and steps < 20

@@ -54,4 +54,5 @@ class Quantizer:
         if k % 32:
             return None, Choice(label, F32, f"input size {k} is not a multiple of 32; runs on the dense kernel")
         qtype = HEAD_QTYPE if head else self.qtype
-        return Linear.from_blocks(quantize_rows(dense, qtype), qtype, k, bias), Choice(label, qtype, "quantized at load")
+        lin = Linear.from_blocks(quantize_rows(dense, qtype), qtype, k, bias)
+        return lin, Choice(label, qtype, "quantized at load")

@@ -6,6 +6,8 @@ accepted path in place (an index copy of at most ``len(keep)`` entries per layer
 all layers in one op), and reset. Capacity starts small and doubles when a forward would
 overflow it (a rare reallocation, amortised; never one per step) up to the model's
 position limit.
+A float16 cache under a float32 model: how entries are rounded when stored and widened when
+read by other kernels (``stored``, ``widened``).
 Does not know: models, trees or attention; ``model`` writes and reads the buffers.
 """
 
@@ -14,8 +16,24 @@ from __future__ import annotations
 import torch
 
 from cadence.errors import CadenceError
+from cadence.fast.quant import F16_MAX
 
 INITIAL_CAPACITY = 1024
+
+
+def stored(x: torch.Tensor, kv_dtype: torch.dtype, ops=None) -> torch.Tensor:
+    """Keys or values as a cache of ``kv_dtype`` holds them: unchanged, or (a float16 cache under
+    a float32 model) rounded to nearest even with saturation at +-65504 by the native ``kv_half``
+    where ``ops`` (the extension) is given, the C++ loop's own store, else by torch (same bits)."""
+    if x.dtype == kv_dtype:
+        return x
+    return ops.kv_half(x) if ops is not None else x.clamp(-F16_MAX, F16_MAX).to(kv_dtype)
+
+
+def widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached keys or values in the model's ``dtype`` (exact), for attention kernels other than
+    ``listed_attention``, which reads a float16 cache itself."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class StaticKVCache:

@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from cadence.backbone.base import Backbone, ForwardOut, check_taps
 from cadence.errors import CadenceError
 from cadence.fast import arch, consistent, gguf, native, rope
-from cadence.fast.cache import StaticKVCache
+from cadence.fast.cache import StaticKVCache, stored, widened
 from cadence.fast import kernels
 from cadence.fast.kernels import ROW_FREE, Linear, resolve_kind
 from cadence.fast.blocks import SELF_QUANTS, Quantizer
-from cadence.fast.quant import F16_MAX, resolve_kv_dtype, resolve_quant
+from cadence.fast.quant import resolve_kv_dtype, resolve_quant
 from cadence.fast.rows import RowsForward
 
 LISTED_HEAD_DIMS = (16, 32, 64, 96, 128, 192, 256)  # head sizes ``listed_attention`` has kernels for
@@ -400,8 +400,8 @@ class FastBackbone(RowsForward, Backbone):
         store = None
         if cache is not None:
             def store(i, k, v):  # append at [past, past + n); attend to [0, keys)
-                cache.k[i, :, :, past:past + n] = self._to_kv(k)
-                cache.v[i, :, :, past:past + n] = self._to_kv(v)
+                cache.k[i, :, :, past:past + n] = stored(k, self.kv_dtype, self._ops)
+                cache.v[i, :, :, past:past + n] = stored(v, self.kv_dtype, self._ops)
                 return cache.k[i, :, :, :keys], cache.v[i, :, :, :keys]
         paths = None
         if steady and given_tree:
@@ -419,18 +419,6 @@ class FastBackbone(RowsForward, Backbone):
         if cache is not None:
             cache.advance(real)
         return x[:, :real], (tap_out[:, :real] if taps else None)
-
-    def _to_kv(self, x: torch.Tensor) -> torch.Tensor:
-        """Keys or values as the cache stores them: unchanged, or (a float16 cache) rounded
-        with saturation, by the same function as the C++ loop's store (``kv_half``)."""
-        if x.dtype == self.kv_dtype:
-            return x
-        return self._ops.kv_half(x) if self._ops is not None else x.clamp(-F16_MAX, F16_MAX).to(self.kv_dtype)
-
-    def _from_kv(self, x: torch.Tensor) -> torch.Tensor:
-        """Cached keys or values in the backbone's dtype, for attention kernels other than
-        ``listed_attention`` (which reads a float16 cache itself); exact."""
-        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def _tap_buffer(self, input_ids, taps) -> torch.Tensor | None:
         """(b, n, len(taps), d) for the forward's tapped states, or None without taps."""
@@ -506,8 +494,8 @@ class FastBackbone(RowsForward, Backbone):
             scale = 1.0 / math.sqrt(self.spec.head_dim)
 
             def attend(i, q, k, v):
-                cache.k[i, :, :, past:past + n] = self._to_kv(k)
-                cache.v[i, :, :, past:past + n] = self._to_kv(v)
+                cache.k[i, :, :, past:past + n] = stored(k, self.kv_dtype, self._ops)
+                cache.v[i, :, :, past:past + n] = stored(v, self.kv_dtype, self._ops)
                 return self._ops.listed_attention(q, cache.k[i], cache.v[i], *lists, scale)
             x = self._layers_forward(input_ids, cos, sin, attend, taps, tap_out)
         cache.advance(real)
@@ -587,7 +575,7 @@ class FastBackbone(RowsForward, Backbone):
         def attend(i, q, k, v):
             if store is not None:
                 k, v = store(i, k, v)
-                k, v = self._from_kv(k), self._from_kv(v)  # a float16 cache, widened for these kernels
+                k, v = widened(k, self.dtype), widened(v, self.dtype)  # a float16 cache, for these kernels
             if groups is not None:
                 return consistent.attend_groups(q, k, v, mask, gqa, groups, memo)
             if gqa and mask is not None:

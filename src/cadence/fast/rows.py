@@ -17,7 +17,7 @@ import torch
 from cadence.backbone.base import ForwardOut, check_taps
 from cadence.errors import CadenceError
 from cadence.fast import consistent
-from cadence.fast.cache import BatchKVCache
+from cadence.fast.cache import BatchKVCache, stored
 
 
 class RowsForward:
@@ -71,7 +71,7 @@ class RowsForward:
         block = slice(first, first + b)
 
         def store(i, k, v):  # k, v: (B, kv_heads, n, head_dim) -> row b at [starts[b], starts[b] + n)
-            k, v = self._to_kv(k), self._to_kv(v)  # as a float16 cache holds them
+            k, v = stored(k, self.kv_dtype, self._ops), stored(v, self.kv_dtype, self._ops)  # as the cache holds them
             if b == 1:
                 cache.k[i, first, :, starts[0]:starts[0] + n] = k[0]
                 cache.v[i, first, :, starts[0]:starts[0] + n] = v[0]
