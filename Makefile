@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/cadence generate --method hydra --max-new-tokens 128 --compare \
+	$(BIN)/cadence generate --max-new-tokens 128 --compare \
 		--prompt "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 
 test: setup

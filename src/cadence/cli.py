@@ -82,6 +82,9 @@ def _run_generate(args) -> int:
     cfg = from_args(GenerationConfig, args)
     backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant, args.kv_dtype)
     engine = make_engine(backbone, spec)
+    spec = engine.spec  # ``auto`` settled for this backbone (methods.resolve_method)
+    if engine.auto_reason and not args.json:
+        print(f"cadence: {engine.auto_reason}", file=sys.stderr)
     vanilla = make_engine(backbone, MethodSpec(method=Method.VANILLA)) if args.compare else None
     chat = args.chat if args.chat is not None else bool(getattr(backbone.tokenizer, "chat_template", None))
     with settled():  # the loaded model's objects out of the collector's way (system.heap)
@@ -94,7 +97,8 @@ def _run_generate(args) -> int:
             if args.json:
                 g = engine.generate(ids, cfg)
                 print(json.dumps({"prompt": prompt, "text": g.text, "method": spec.method.value,
-                                  "heads": spec.heads if spec.method.value != "vanilla" else None,
+                                  "heads": spec.heads if spec.method.value not in ("vanilla", "ngram") else None,
+                                  "auto": engine.auto_reason or None,
                                   "scheduler": getattr(engine, "scheduler_name", None),
                                   "datastore": _datastore_info(engine), "online_store": _online_info(engine),
                                   "lossless": cfg.rule.lossless(cfg.sampling) and not engine.allow_unverified,

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from cadence.cliargs import add_fields, from_args
 from cadence.costs.latency import LatencyCurve, latency_curve
 from cadence.costs.tree_choice import TreePolicy, draft_seconds
@@ -25,7 +27,7 @@ from cadence.draft.online_store import OnlineStore
 from cadence.draft.head_drafter import HeadDrafter
 from cadence.errors import CadenceError
 from cadence.heads.io import decode_dtype, load_heads, new_heads
-from cadence.heads.shipped import heads_path, shipped_heads_dir
+from cadence.heads.shipped import heads_kind, heads_path, shipped_heads_dir, shipped_store_dir
 from cadence.schedulers import registry
 from cadence.schedulers.base import SchedulerContext
 from cadence.schedulers.copy_chain import CopyChainScheduler
@@ -36,6 +38,7 @@ from cadence.verify.sampling import SamplingParams
 
 
 class Method(str, Enum):
+    AUTO = "auto"  # settled per backbone by ``resolve_method`` before an engine is built
     VANILLA = "vanilla"  # plain autoregressive decoding through the same engine
     MEDUSA = "medusa"
     HYDRA = "hydra"
@@ -54,8 +57,10 @@ class MethodSpec:
     """How to decode; CLI flags derive from these fields (and each scheduler's options, ``options``);
     ``parse`` / ``format`` read and write it as a method name."""
 
-    method: Method = field(default=Method.HYDRA, metadata={
-        "help": "vanilla | medusa | hydra | mtp | eagle | eagle3 | mtp-attn | ngram (context copy alone: any model, no heads)"})
+    method: Method = field(default=Method.AUTO, metadata={
+        "help": "auto (ngram where the backbone computes from GGUF blocks or no heads ship for it, hydra "
+                "elsewhere, the heads' own kind with --heads DIR; printed, and in --json) | vanilla | medusa | "
+                "hydra | mtp | eagle | eagle3 | mtp-attn | ngram (context copy alone: any model, no heads)"})
     heads: str = field(default="default", metadata={
         "help": "default (shipped for the model and --method) | random | a heads directory | the name of a "
                 "set shipped for the model (SmolLM2: eagle-taps; see the model card)"})
@@ -71,11 +76,12 @@ class MethodSpec:
         "serves; draft.online_store), at most this many, oldest dropped first; 0 = off. Lossless, but shared "
         "by every request: latency may reveal that a phrase was generated before")})
     copy_depth: int = field(default=8, metadata={"help": "deepest tree level a context copy may fill (presets; calibrated trees say their own)"})
-    datastore: str = field(default="", metadata={
+    datastore: str = field(default="auto", metadata={
         "help": "a self-distilled store directory (e.g. data/selfdistill/smollm2, written by `cadence distill`) "
                 "whose replies also supply copies where the request has none: the token that most often "
                 "followed the same 2-4 tokens there (REST-style; drafts only, the output is unchanged); "
-                "empty = off"})
+                "auto = the model's own store where a source checkout has one (SmolLM2: data/selfdistill/smollm2), "
+                "else off; none = off"})
     heads_dtype: str = field(default="auto", metadata={
         "help": "dtype the heads draft in: auto (bfloat16 on a bfloat16 backbone, else float32), float32, bfloat16; "
                 "drafts only: the output is the same either way"})
@@ -266,11 +272,83 @@ def resolve_heads(backbone, spec: MethodSpec):
     return heads.set_draft_format(spec.draft_weights)
 
 
+# ``--method auto`` takes ngram (context copy + the model's datastore) on a backbone computed from
+# GGUF blocks: a forward there is cheap and 8 verify nodes cost 1.4-2.1 of them, so the heads'
+# drafting costs about what their extra tokens gain. On dense bf16 (flat verify curve) it takes
+# eagle with the shipped eagle-taps set, on dense float32 (steep curve, small trees) hydra.
+# Default model, held-out prompts, 128 tokens, one interleaved `cadence bench` each:
+# - GGUF, AMX Xeon (2026-12-08, docs/results/xeon-amx/2026-12-08-method-auto): ngram + datastore 1.30x
+#   plain decoding, hydra + datastore 1.20x, mtp + datastore 1.18x, hydra 1.17x; Zen 4 EPYC
+#   (2026-12-07): ngram + datastore 1.31x, mtp 1.27x, hydra 1.23x.
+# - bf16: AMX (2026-12-07, 56 prompts) eagle-taps + datastore 1.75x, ngram + datastore 1.76x, hydra 1.56x;
+#   EPYC (2026-12-07) eagle-taps 1.83x, hydra 1.71x, ngram + datastore 1.70x.
+# - float32, AMX (20 prompts): hydra 1.53x, eagle-taps 1.28x.
+BLOCK_QUANTS = ("gguf", "q8_0", "q4_1", "q4_0")  # backbone.quant values computed from GGUF blocks
+BF16_HEADS = (Method.EAGLE, "eagle-taps")  # auto's heads on dense bf16, where that set ships
+# trees ngram draws as well (and chain-D); ``--method auto`` with any other (tree-16, auto-N) takes heads
+_COPY_TREES = ("auto", "chain")
+
+
+def resolve_method(backbone, spec: MethodSpec) -> tuple[MethodSpec, str]:
+    """``spec`` with its ``auto`` settings settled for ``backbone``, and why, in words (empty where
+    nothing was auto). ``method`` auto: the kind of ``--heads DIR``; hydra where the spec asks for
+    what only heads do (random heads, a tree preset, a scheduler, ``--no-copy``); ngram where no
+    heads ship for the backbone or it computes from GGUF blocks (``BLOCK_QUANTS``); else eagle
+    with ``BF16_HEADS`` on bf16 where they ship, hydra otherwise. ``datastore`` auto: the
+    backbone's store in a source checkout (``shipped_store_dir``), else off.
+    Example: SmolLM2 on its GGUF, MethodSpec() -> method ngram, datastore data/selfdistill/smollm2."""
+    why = []
+    if spec.method is Method.AUTO:
+        method, heads, reason = _auto_method(backbone, spec)
+        spec = dataclasses.replace(spec, method=method, heads=heads, options=dict(spec.options))
+        why.append(f"--method auto: {method.value}{'' if heads == 'default' else '@' + heads} ({reason})")
+    if spec.datastore == "auto":
+        store = shipped_store_dir(backbone) if spec.copy and spec.method is not Method.VANILLA else None
+        spec = dataclasses.replace(spec, datastore=str(store) if store else "none", options=dict(spec.options))
+        if store is not None:
+            why.append(f"--datastore auto: {store}")
+    return spec, "; ".join(why)
+
+
+def _auto_method(backbone, spec: MethodSpec) -> tuple[Method, str, str]:
+    """The method and heads ``--method auto`` stands for on ``backbone``, and why (``resolve_method``)."""
+    if spec.heads not in ("default", "random"):
+        kind = heads_kind(heads_path(backbone, spec.heads))
+        if kind is None:
+            raise CadenceError(f"--heads {spec.heads}: no heads config.json to take the method from; "
+                               "name the method (--method hydra | eagle | ...)")
+        try:
+            return Method(kind), spec.heads, f"the kind of --heads {spec.heads}"
+        except ValueError:
+            raise CadenceError(f"--heads {spec.heads} holds {kind!r} heads, not a decoding method's") from None
+    tree_preset = spec.tree not in _COPY_TREES and not spec.tree.startswith("chain-")
+    if spec.heads == "random" or tree_preset or spec.scheduler not in ("auto", "static") or not spec.copy:
+        return Method.HYDRA, spec.heads, "the settings ask for heads"
+    if shipped_heads_dir(backbone, Method.HYDRA.value) is None:
+        return Method.NGRAM, "default", f"no heads ship for {backbone.name}"
+    quant = getattr(backbone, "quant", "none")
+    if quant in BLOCK_QUANTS:
+        return Method.NGRAM, "default", f"{quant} blocks: drafting with heads costs about what it gains there"
+    method, name = BF16_HEADS
+    if getattr(backbone, "dtype", None) == torch.bfloat16 and shipped_heads_dir(backbone, name) is not None:
+        return method, name, "dense bfloat16: the flat verify curve pays attention heads"
+    return Method.HYDRA, "default", f"dense {str(getattr(backbone, 'dtype', 'float32')).replace('torch.', '')}"
+
+
 def make_engine(backbone, spec: MethodSpec, latency: LatencyCurve | None = None) -> Engine:
-    """Backbone + heads + drafter + scheduler for ``spec`` (vanilla: no drafter). Trees are
-    resolved per request (``tree_choice.TreePolicy``); ``latency``: this machine's verify
-    curve for ``--tree auto`` and the adaptive schedulers (default: measured once per
-    machine and cached)."""
+    """Backbone + heads + drafter + scheduler for ``spec`` (vanilla: no drafter), its ``auto``
+    settings settled first (``resolve_method``; the engine keeps the result as ``engine.spec``
+    and the reason as ``engine.auto_reason``). Trees are resolved per request
+    (``tree_choice.TreePolicy``); ``latency``: this machine's verify curve for ``--tree auto``
+    and the adaptive schedulers (default: measured once per machine and cached)."""
+    spec, why = resolve_method(backbone, spec)
+    engine = _engine(backbone, spec, latency)
+    engine.spec, engine.auto_reason = spec, why
+    return engine
+
+
+def _engine(backbone, spec: MethodSpec, latency: LatencyCurve | None) -> Engine:
+    """``make_engine`` for a spec with nothing left on auto."""
     if spec.method is Method.VANILLA:
         return Engine(backbone)
     if spec.method is Method.NGRAM:
@@ -375,12 +453,13 @@ def _datastore(spec: MethodSpec):
     ``--online-store`` (one per engine), or None; refused without copies."""
     if spec.online_store < 0:
         raise CadenceError(f"--online-store must be >= 0 (0 = off), got {spec.online_store}")
-    if not (spec.datastore or spec.online_store):
+    named = spec.datastore not in ("", "none")  # "auto" was settled by resolve_method
+    if not (named or spec.online_store):
         return None
     if not spec.copy:
-        what = "--datastore" if spec.datastore else "--online-store"
+        what = "--datastore" if named else "--online-store"
         raise CadenceError(f"{what} supplies copies: it needs --copy (the method has /nocopy or --no-copy)")
-    store = load_datastore(spec.datastore) if spec.datastore else None
+    store = load_datastore(spec.datastore) if named else None
     return OnlineStore(spec.online_store, then=store) if spec.online_store else store
 
 

@@ -147,7 +147,7 @@ def parse_method(text: str, cfg: BenchConfig) -> MethodEntry:
         raise CadenceError(f"unknown method {text!r}; choose from {', '.join(ENGINE_METHODS + PEERS)} "
                            "(head methods may name a tree, e.g. hydra:tree-16)")
     base = cfg.base_spec()
-    if name not in ("vanilla", "ngram") and "@" not in text:
+    if name not in ("vanilla", "ngram", "auto") and "@" not in text:
         if cfg.heads_dir:
             sub = Path(cfg.heads_dir) / name
             if not (sub / "config.json").is_file():

@@ -91,6 +91,9 @@ def build(args: argparse.Namespace):
     defaults = from_args(GenerationConfig, args)  # validated now: bad defaults exit 2
     backbone = load_backbone(args.model, args.dtype, args.device, args.backend, args.quant, args.kv_dtype)
     engine = make_engine(backbone, spec)
+    spec = engine.spec  # ``auto`` settled: a request's cadence.method is read against what this server decodes
+    if engine.auto_reason:
+        print(f"cadence: {engine.auto_reason}", file=sys.stderr, flush=True)
     multi = multi_engine(engine, conf.batching, conf.max_batch, narrow, conf.prefill_chunk)
     settings = AppSettings(model_name=conf.served_model_name or backbone.name, max_queue=conf.max_queue,
                            defaults=defaults, spec=spec if spec.method.value != "vanilla" else None,
