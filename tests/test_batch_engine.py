@@ -489,3 +489,32 @@ def test_copies_first_rows_equal_plain_greedy_and_a_cap_keeps_them_copies():
     capped.inner.runs[0] = capped.inner.runs[1] = 1  # both arms seen: copies lead (no rates yet: ties go to copies)
     plan = capped.choose(StepState(hidden=None, root_logits=None, step=0, new_tokens=0, past=0, copy=5))
     assert plan.copies_only and plan.tree.size <= 2
+
+
+def test_the_default_method_with_a_datastore_batches_rows_equal_to_plain_greedy(fllama, tmp_path, monkeypatch):
+    """``--method auto`` on a model without heads is ngram; with ``--datastore`` a store of the
+    model's own replies: batched (as ``cadence serve`` runs it), every row equals plain greedy
+    decoding and the store's copies are accepted."""
+    from cadence.costs.latency import LatencyCurve
+    from cadence.methods import Method, MethodSpec, make_engine
+    from cadence.training.store import encode_shard, new_manifest, write_manifest, write_store_shard
+
+    monkeypatch.setenv("CADENCE_CACHE", str(tmp_path / "cache"))
+    bb = fllama
+    cfg = GenerationConfig(max_new_tokens=24)
+    ids = [bb.encode_prompt(p, chat=False) for p in PROMPTS]
+    refs = [plain(bb, i, cfg).tokens for i in ids]
+    store = tmp_path / "store"  # one train shard: each reply twice (an entry needs 2), after a 1-token prompt
+    store.mkdir()
+    seqs = [[1, *r] for r in refs for _ in range(2)]
+    write_store_shard(store / "shard-00000.npz", encode_shard(seqs, [1] * len(seqs), {}, bb.vocab_size))
+    manifest = new_manifest("tiny", bb.vocab_size)
+    manifest["shards"] = [{"file": "shard-00000.npz", "split": "train", "sequences": len(seqs)}]
+    write_manifest(store, manifest)
+    flat = LatencyCurve(sizes=[1, 64], seconds=[0.010, 0.011])  # a measured curve would cost seconds here
+    engine = make_engine(bb, MethodSpec(datastore=str(store)), latency=flat)
+    assert engine.spec.method is Method.NGRAM and engine.drafter.datastore is not None
+    be = BatchEngine.from_engine(engine, max_batch=4, narrow=NarrowConfig(mode="none"))
+    toks, _, last, order = run(be, {0: [(i, cfg, None) for i in ids]})
+    assert [toks[rid] for rid in order] == refs
+    assert sum(last[r].stats.tau for r in order) / len(order) > 1.5  # the store holds every reply

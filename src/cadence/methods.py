@@ -275,14 +275,14 @@ def resolve_heads(backbone, spec: MethodSpec):
 # ``--method auto`` takes ngram (context copy + the model's datastore) on a backbone computed from
 # GGUF blocks: a forward there is cheap and 8 verify nodes cost 1.4-2.1 of them, so the heads'
 # drafting costs about what their extra tokens gain. On dense bf16 (flat verify curve) it takes
-# eagle with the shipped eagle-taps set, on dense float32 (steep curve, small trees) hydra.
+# eagle with the shipped eagle-taps set; on dense float32 it keeps hydra, the former default.
 # Default model, held-out prompts, 128 tokens, one interleaved `cadence bench` each:
-# - GGUF, AMX Xeon (2026-12-08, docs/results/xeon-amx/2026-12-08-method-auto): ngram + datastore 1.30x
-#   plain decoding, hydra + datastore 1.20x, mtp + datastore 1.18x, hydra 1.17x; Zen 4 EPYC
+# - GGUF, AMX Xeon (2026-12-08, docs/results/xeon-amx/2026-12-08-method-auto): ngram + datastore 1.36x
+#   plain decoding, hydra + datastore 1.27x, eagle-taps + datastore 1.25x, hydra 1.23x; Zen 4 EPYC
 #   (2026-12-07): ngram + datastore 1.31x, mtp 1.27x, hydra 1.23x.
-# - bf16: AMX (2026-12-07, 56 prompts) eagle-taps + datastore 1.75x, ngram + datastore 1.76x, hydra 1.56x;
-#   EPYC (2026-12-07) eagle-taps 1.83x, hydra 1.71x, ngram + datastore 1.70x.
-# - float32, AMX (20 prompts): hydra 1.53x, eagle-taps 1.28x.
+# - bf16: AMX (same results) eagle-taps + datastore 1.59x, ngram + datastore 1.64x, hydra + datastore
+#   1.55x (56 prompts, 2026-12-07: 1.75x, 1.76x, hydra 1.56x); EPYC (2026-12-07) eagle-taps 1.83x,
+#   hydra 1.71x, ngram + datastore 1.70x.
 BLOCK_QUANTS = ("gguf", "q8_0", "q4_1", "q4_0")  # backbone.quant values computed from GGUF blocks
 BF16_HEADS = (Method.EAGLE, "eagle-taps")  # auto's heads on dense bf16, where that set ships
 # trees ngram draws as well (and chain-D); ``--method auto`` with any other (tree-16, auto-N) takes heads

@@ -34,8 +34,9 @@ def register(subparsers) -> None:
                f"--method` (MethodSpec.parse: METHOD[:TREE][+SCHEDULER][@HEADS][/nocopy][/novocab][,NAME=VALUE]..., "
                f"e.g. hydra:tree-16, hydra/nocopy, eagle+dynamic,max_nodes=8) and peers {', '.join(PEERS)}")
     p.add_argument("--tasks", nargs="+", default=["gsm8k"], metavar="TASK", help="tasks to run (default: gsm8k)")
-    p.add_argument("--methods", nargs="+", default=["vanilla", "hydra"], metavar="METHOD",
-                   help="methods and peers, run interleaved per prompt (default: vanilla hydra); the method flags "
+    p.add_argument("--methods", nargs="+", default=["vanilla", "auto"], metavar="METHOD",
+                   help="methods and peers, run interleaved per prompt (default: vanilla auto, i.e. the default "
+                        "method, which the report's notes name); the method flags "
                         "below apply to every engine method, a method name overrides them")
     p.add_argument("--heads-dir", default=None, metavar="DIR",
                    help="directory with medusa/ hydra/ mtp/ head subdirectories (overrides --heads)")

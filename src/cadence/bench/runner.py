@@ -52,7 +52,7 @@ class BenchConfig:
     """Everything a ``cadence bench`` run depends on."""
 
     tasks: list[str] = field(default_factory=lambda: ["gsm8k"])
-    methods: list[str] = field(default_factory=lambda: ["vanilla", "hydra"])
+    methods: list[str] = field(default_factory=lambda: ["vanilla", "auto"])
     heads: str = "default"  # default | random | DIR (one head type) for every head method
     heads_dir: str | None = None  # DIR with medusa/ hydra/ mtp/ subdirectories (overrides heads)
     num_heads: int = 3  # K for random heads
@@ -323,6 +323,8 @@ def build_engines(entries: list[MethodEntry], backbone, cfg: BenchConfig) -> tup
         if e.kind == "engine":
             engines[e.label] = make_engine(backbone, e.spec)
             engines[e.label].trace_entropy = True  # per-step entropy goes into the records
+            if engines[e.label].auto_reason:  # what an ``auto`` setting settled to on this backbone
+                notes.append(f"{e.label}: {engines[e.label].auto_reason}")
             continue
         try:
             engines[e.label] = make_peer(e.label, backbone, cfg.model)
