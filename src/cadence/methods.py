@@ -58,8 +58,9 @@ class MethodSpec:
     ``parse`` / ``format`` read and write it as a method name."""
 
     method: Method = field(default=Method.AUTO, metadata={
-        "help": "auto (ngram where the backbone computes from GGUF blocks or no heads ship for it, hydra "
-                "elsewhere, the heads' own kind with --heads DIR; printed, and in --json) | vanilla | medusa | "
+        "help": "auto (ngram where the backbone computes from GGUF blocks or no heads ship for it, eagle with "
+                "the eagle-taps set on dense bfloat16, hydra on dense float32, the heads' own kind with --heads DIR; "
+                "printed, and in --json) | vanilla | medusa | "
                 "hydra | mtp | eagle | eagle3 | mtp-attn | ngram (context copy alone: any model, no heads)"})
     heads: str = field(default="default", metadata={
         "help": "default (shipped for the model and --method) | random | a heads directory | the name of a "
