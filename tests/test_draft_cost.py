@@ -32,3 +32,14 @@ def test_a_call_made_inside_another_counts_once_in_the_total():
     assert inner.calls == outer.calls == 1 and inner.outer_seconds == 0.0
     assert tot["draft_s"] == outer.seconds  # not outer + inner
     assert tot["calls"]["shadow_heads"] == [inner.seconds, 1]
+
+
+def test_the_ngram_drafter_is_timed_for_the_calls_it_has():
+    from cadence.draft.copy_drafter import CopyDrafter
+
+    drafter = CopyDrafter()
+    timers = draft_cost.install_timers(drafter)
+    assert "draft" in timers and "draft_dynamic" not in timers and "shadow_heads" not in timers
+    assert set(timers) == {n for n in draft_cost.DRAFTER_CALLS if hasattr(CopyDrafter, n)}
+    assert all(getattr(drafter, n) is t for n, t in timers.items())
+    assert draft_cost.install_timers(None) == {}

@@ -97,6 +97,19 @@ def add_drafter_times(tot: dict, timers: dict) -> None:
         acc[1] += timer.calls
 
 
+def install_timers(drafter) -> dict:
+    """Wrap each of ``DRAFTER_CALLS`` that ``drafter`` has (drafts, shadow drafts, drafter-state
+    commits) in a ``_Timer`` on the instance; {name: timer}. A drafter without some of them (the
+    ngram method's ``CopyDrafter`` has no dynamic or head drafts) gets timers for the rest; None
+    (plain decoding) gets none."""
+    timers = {}
+    for name in DRAFTER_CALLS:
+        if drafter is not None and hasattr(drafter, name):
+            timers[name] = _Timer(getattr(drafter, name))
+            setattr(drafter, name, timers[name])
+    return timers
+
+
 def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
     specs = {m: spec_of(m) for m in methods}
     engines = {m: make_engine(bb, spec) for m, (spec, _) in specs.items()}
@@ -120,11 +133,7 @@ def measure(bb, methods: list[str], max_new: int, repeats: int) -> dict:
                 order = list(engines.items())
                 for m, eng in (order if (r * len(prompts) + i) % 2 == 0 else order[::-1]):
                     python_block(m)
-                    timers = {}
-                    if eng.drafter is not None:  # drafts, shadow drafts and drafter-state commits
-                        for name in DRAFTER_CALLS:
-                            timers[name] = _Timer(getattr(eng.drafter, name))
-                            setattr(eng.drafter, name, timers[name])
+                    timers = install_timers(eng.drafter)
                     verify = _Timer(real_score)
                     request_mod.score = verify
                     t = time.perf_counter()
