@@ -9,9 +9,12 @@ This script measures that rate instead of assuming it: a small C file (inline as
 with the system compiler) runs, on 1 and on all cores, back-to-back independent 8-bit
 multiply-add instructions: AVX2 ``vpmaddubsw`` on ymm (32 multiply-adds each), AVX-512BW
 ``vpmaddubsw`` on zmm (64), AVX512-VNNI ``vpdpbusd`` on zmm (64); and a chain of dependent integer
-multiplies (three cycles each) for the clock the cores run at meanwhile. Nothing else is counted: no
-widening ``vpmaddwd``, no scales, no nibble unpacking, no attention, no activation quantization,
-so the bound is below anything a real kernel reaches.
+multiplies (three cycles each) for the clock the cores run at meanwhile. Alone, the multiply
+instruction gives the loosest bound. The tighter one times the instruction mix of one Q4_1 block
+product without VNNI (``q4_block``: the multiplies, the int16 sums, widening, convert, scale, two
+fused multiply-adds), which every block of 32 weights needs because each has its own scale and
+minimum. Neither counts loads, nibble unpacking, attention, norms or activation quantization, so
+both are below anything a real kernel reaches.
 
 For each path of ``every_cpu.py`` (the instruction it may use) and T(1) from its verify curve
 (``verify_cost.py``'s JSON; by default the AMX Xeon's 2026-12-07 runs), it prints the least
